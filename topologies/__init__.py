@@ -1,0 +1,24 @@
+"""Communication topologies for decentralized training (pure Python)."""
+
+from .base import Topology
+from .gossip import ExponentialTopology, FullyConnectedTopology, RingTopology
+from .registry import available_topologies, get_topology
+from .trees import (
+    BinaryTreeTopology,
+    ChainTopology,
+    DoubleBinaryTreeTopology,
+    MirroredTopology,
+)
+
+__all__ = [
+    "Topology",
+    "ChainTopology",
+    "BinaryTreeTopology",
+    "MirroredTopology",
+    "DoubleBinaryTreeTopology",
+    "RingTopology",
+    "FullyConnectedTopology",
+    "ExponentialTopology",
+    "available_topologies",
+    "get_topology",
+]

@@ -24,7 +24,8 @@ DEFAULT_TIMEOUT = 120.0
 
 def _worker(rank, world_size, store_path, fn, args, results, pg_timeout, env):
     os.environ.update(env)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(env.get("LOCAL_WORLD_SIZE", world_size))})
+    local_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % local_size), "LOCAL_WORLD_SIZE": str(local_size)})
     try:
         import torch
         import torch.distributed as dist

@@ -1,5 +1,18 @@
 """The algorithms; importing this package registers each under its Bagua name."""
 
+from .allreduce_average import AllreduceAverageAlgorithm, AllreduceAverageAlgorithmImpl
+from .decentralized import DecentralizedAlgorithm, DecentralizedAlgorithmImpl, shift_one_peer
 from .gradient_allreduce import GradientAllReduceAlgorithm, GradientAllReduceAlgorithmImpl
+from .relay import RelayAlgorithm, RelayAlgorithmImpl
 
-__all__ = ["GradientAllReduceAlgorithm", "GradientAllReduceAlgorithmImpl"]
+__all__ = [
+    "AllreduceAverageAlgorithm",
+    "AllreduceAverageAlgorithmImpl",
+    "DecentralizedAlgorithm",
+    "DecentralizedAlgorithmImpl",
+    "GradientAllReduceAlgorithm",
+    "GradientAllReduceAlgorithmImpl",
+    "RelayAlgorithm",
+    "RelayAlgorithmImpl",
+    "shift_one_peer",
+]

@@ -62,8 +62,9 @@ class BaguaDistributedDataParallel:
         self._post_backward_queued = False
         self.buckets: list[BaguaBucket] = []
 
-        self._init_algorithm()
+        # Broadcast first, so the algorithm sees the common initial model (RelaySGD keeps it).
         self._broadcast_from_first_rank()
+        self._init_algorithm()
         self._register_hooks()
 
     # --- set-up ----------------------------------------------------------------------

@@ -1,0 +1,37 @@
+"""Turning an algorithm's ``topology=`` argument into a checked Topology."""
+
+from __future__ import annotations
+
+from topologies import Topology, available_topologies, get_topology
+
+
+def check_topology_arg(topology) -> None:
+    """Refuse what can never be a topology (checked in the Algorithm's constructor)."""
+    if isinstance(topology, str):
+        if topology not in available_topologies():
+            raise ValueError(f"unknown topology {topology!r}; valid names: {available_topologies()}")
+    elif not isinstance(topology, Topology):
+        raise TypeError(
+            f"topology must be a Topology or one of {available_topologies()}, got {type(topology).__name__}"
+        )
+
+
+def resolve_topology(topology, world_size: int, require_tree: bool = False) -> Topology:
+    """``topology`` (a name or a Topology) over ``world_size`` ranks.
+
+    A Topology instance must have exactly ``world_size`` ranks: the process group's size.
+    """
+    check_topology_arg(topology)
+    if isinstance(topology, str):
+        topology = get_topology(topology, world_size)
+    elif topology.world_size != world_size:
+        raise ValueError(
+            f"topology {topology!r} has {topology.world_size} ranks but the process group has "
+            f"{world_size}; build it with world_size={world_size}"
+        )
+    if require_tree and not topology.is_tree():
+        raise ValueError(
+            f"topology {topology!r} is not a tree; RelaySGD needs a tree "
+            "(chain, binary_tree or double_binary_tree)"
+        )
+    return topology

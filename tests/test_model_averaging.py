@@ -1,0 +1,321 @@
+"""allreduce_average, decentralized (D-PSGD) and relay (RelaySGD) on gloo workers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from bagua_algos.algorithms import (
+    AllreduceAverageAlgorithm,
+    DecentralizedAlgorithm,
+    RelayAlgorithm,
+    shift_one_peer,
+)
+from bagua_algos.algorithms.relay import coordinate_ranges
+from topologies import ChainTopology, get_topology
+
+from distributed import run_workers
+
+DIM = 11  # odd, so the double binary tree's halves differ in size
+
+
+class Vector(torch.nn.Module):
+    """One parameter vector x with the loss f_i(x) = ½‖x − b_i‖² (gradient x − b_i)."""
+
+    def __init__(self, dim: int = DIM):
+        super().__init__()
+        self.x = torch.nn.Parameter(torch.zeros(dim))
+
+    def forward(self, target):
+        return 0.5 * ((self.x - target) ** 2).sum()
+
+
+def target(rank: int, dim: int = DIM) -> torch.Tensor:
+    return torch.randn(dim, generator=torch.Generator().manual_seed(rank))
+
+
+def wrapped(algorithm, lr: float, start=None, momentum: float = 0.0):
+    model = Vector()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    model.with_bagua([opt], algorithm)
+    if start is not None:
+        with torch.no_grad():
+            model.x.copy_(start)
+    return model, opt
+
+
+def sgd_steps(model, opt, rank, steps, record=None):
+    for _ in range(steps):
+        opt.zero_grad()
+        model(target(rank)).backward()
+        opt.step()
+        if record is not None:
+            record.append(model.x.detach().clone())
+
+
+# ------------------------------------------------------------------- simulator
+
+
+def simulate_relay(topology, steps, lr, mode="count", drop_rate=0.0, seed=0, dim=DIM):
+    """Single-process RelaySum: every worker's x after each step, on f_i = ½‖x − b_i‖²."""
+    n = topology.world_size
+    trees = topology.trees
+    parts = coordinate_ranges(dim, len(trees))
+    x = [torch.zeros(dim) for _ in range(n)]
+    x0 = torch.zeros(dim)
+    # heard[k][i][j]: (message, count) worker i got from j over tree k last step
+    heard = [[{j: (torch.zeros(e - s), 0.0) for j in tree.neighbors(i)} for i in range(n)]
+             for tree, (s, e) in zip(trees, parts)]
+    gens = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in range(n)]
+    history = [[] for _ in range(n)]
+    for _ in range(steps):
+        half = [x[i] - lr * (x[i] - target(i)) for i in range(n)]
+        new_heard = [[{} for _ in range(n)] for _ in trees]
+        for k, (tree, (s, e)) in enumerate(zip(trees, parts)):
+            for i in range(n):
+                for j in tree.neighbors(i):
+                    message = half[i][s:e].clone()
+                    count = 1.0
+                    for other, (m, c) in heard[k][i].items():
+                        if other != j:
+                            message += m
+                            count += c
+                    new_heard[k][j][i] = (message, count)
+        if drop_rate:
+            for i in range(n):
+                for k, tree in enumerate(trees):
+                    for j in tree.neighbors(i):
+                        if torch.rand((), generator=gens[i]).item() < drop_rate:
+                            m, _ = new_heard[k][i][j]
+                            new_heard[k][i][j] = (torch.zeros_like(m), 0.0)
+        heard = new_heard
+        for i in range(n):
+            out = torch.empty(dim)
+            for k, (s, e) in enumerate(parts):
+                total = half[i][s:e].clone()
+                n_bar = 1.0
+                for m, c in heard[k][i].values():
+                    total += m
+                    n_bar += c
+                if mode == "count":
+                    out[s:e] = total / n_bar
+                else:
+                    out[s:e] = (total + (n - n_bar) * x0[s:e]) / n
+            x[i] = out
+            history[i].append(out.clone())
+    return history
+
+
+# --------------------------------------------------------------- relay on 8 workers
+
+RELAY_CONFIGS = [
+    ("chain", "count", 0.0),
+    ("binary_tree", "count", 0.0),
+    ("double_binary_tree", "count", 0.0),
+    ("double_binary_tree", "world_size", 0.0),
+    ("binary_tree", "count", 0.3),
+]
+
+
+def _relay_checks(rank, n):
+    out = {}
+    for name in ("chain", "binary_tree", "double_binary_tree"):
+        diameter = get_topology(name, n).diameter()
+        # Identical models and no learning: everything stays exactly one.
+        model, opt = wrapped(RelayAlgorithm(topology=name), lr=0.0, start=torch.ones(DIM))
+        counts = []
+        for _ in range(diameter + 2):
+            sgd_steps(model, opt, rank, 1)
+            counts.append(list(model.bagua_ddp.algorithm_impl.last_counts))
+        out[(name, "ones")] = bool(torch.all(model.x == 1.0))
+        out[(name, "counts")] = counts
+        out[(name, "diameter")] = diameter
+        # Different models, no learning: one common model.
+        model, opt = wrapped(RelayAlgorithm(topology=name), lr=0.0, start=torch.full((DIM,), float(rank)))
+        sgd_steps(model, opt, rank, 60)
+        out[(name, "consensus")] = model.x.detach().clone()
+    for name, mode, drop in RELAY_CONFIGS:
+        model, opt = wrapped(RelayAlgorithm(topology=name, mode=mode, drop_rate=drop, seed=3), lr=0.1)
+        record = []
+        sgd_steps(model, opt, rank, 12, record)
+        out[(name, mode, drop)] = torch.stack(record)
+    # A stopped and resumed run continues exactly (double tree, with drops).
+    algo = RelayAlgorithm(topology="double_binary_tree", drop_rate=0.2, seed=1)
+    model, opt = wrapped(algo, lr=0.1, momentum=0.9)
+    sgd_steps(model, opt, rank, 4)
+    checkpoint = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "bagua": model.bagua_state_dict()})
+    sgd_steps(model, opt, rank, 5)
+    resumed, resumed_opt = wrapped(algo, lr=0.1, momentum=0.9)
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt.load_state_dict(checkpoint["opt"])
+    resumed.load_bagua_state_dict(checkpoint["bagua"])
+    sgd_steps(resumed, resumed_opt, rank, 5)
+    out["resume"] = torch.equal(model.x, resumed.x)
+    return out
+
+
+@pytest.fixture(scope="module")
+def relay_results():
+    return run_workers(_relay_checks, 8, timeout=240)
+
+
+def test_relay_keeps_identical_models_exactly(relay_results):
+    for out in relay_results:
+        for name in ("chain", "binary_tree", "double_binary_tree"):
+            assert out[(name, "ones")], name
+
+
+def test_relay_counts_reach_world_size_after_diameter_steps(relay_results):
+    n = len(relay_results)
+    for out in relay_results:
+        for name in ("chain", "binary_tree", "double_binary_tree"):
+            counts, diameter = out[(name, "counts")], out[(name, "diameter")]
+            assert all(c == n for c in counts[diameter - 1]), (name, counts)
+            assert all(c <= n for step in counts for c in step)
+    # Someone has not heard from everyone one step earlier (the tree is not a star).
+    assert any(min(out[("chain", "counts")][out[("chain", "diameter")] - 2]) < n for out in relay_results)
+
+
+def test_relay_without_learning_reaches_one_common_model(relay_results):
+    for name in ("chain", "binary_tree", "double_binary_tree"):
+        models = torch.stack([out[(name, "consensus")] for out in relay_results])
+        initial_spread = len(relay_results) - 1  # worker r starts at x = r
+        # Per coordinate: on the double tree each half has its own consensus value.
+        spread = models.max(dim=0).values - models.min(dim=0).values
+        assert float(spread.max()) < 1e-3 * initial_spread, name
+        # Not the exact mean in "count" mode: during the first diameter steps a central
+        # rank averages over more models than a leaf does.
+        assert 0.0 < float(models.mean()) < initial_spread, name
+
+
+@pytest.mark.parametrize("name,mode,drop", RELAY_CONFIGS)
+def test_relay_matches_single_process_simulator(relay_results, name, mode, drop):
+    n = len(relay_results)
+    expected = simulate_relay(get_topology(name, n), steps=12, lr=0.1, mode=mode, drop_rate=drop, seed=3)
+    for rank, out in enumerate(relay_results):
+        torch.testing.assert_close(out[(name, mode, drop)], torch.stack(expected[rank]), atol=1e-5, rtol=1e-5)
+
+
+def test_relay_resumes_exactly_from_checkpoint(relay_results):
+    assert all(out["resume"] for out in relay_results)
+
+
+# ---------------------------------------- allreduce_average and decentralized, 4 workers
+
+
+def _averaging_checks(rank, n):
+    out = {}
+    start = torch.arange(DIM, dtype=torch.float32) * (rank + 1)
+    for key, algo in {
+        "allreduce_average": AllreduceAverageAlgorithm(),
+        "all": DecentralizedAlgorithm(hierarchical=False, peer_selection_mode="all"),
+        "shift_one": DecentralizedAlgorithm(hierarchical=False, peer_selection_mode="shift_one"),
+        "ring": DecentralizedAlgorithm(hierarchical=False, topology="ring"),
+        "hierarchical_all": DecentralizedAlgorithm(hierarchical=True, peer_selection_mode="all"),
+        "hierarchical_shift_one": DecentralizedAlgorithm(hierarchical=True, peer_selection_mode="shift_one"),
+    }.items():
+        model, opt = wrapped(algo, lr=0.0, start=start)
+        record = []
+        sgd_steps(model, opt, rank, 2, record)
+        out[key] = record
+    # D-PSGD applies the gradient at the old weights to the mixed ones.
+    model, opt = wrapped(DecentralizedAlgorithm(hierarchical=False, topology="ring"), lr=0.1, start=start)
+    sgd_steps(model, opt, rank, 1)
+    out["dpsgd_step"] = model.x.detach().clone()
+    # Every second step only, with communication_interval=2.
+    model, opt = wrapped(AllreduceAverageAlgorithm(communication_interval=2), lr=0.0, start=start)
+    record = []
+    sgd_steps(model, opt, rank, 2, record)
+    out["interval"] = record
+    # shift_one resumes with the same peer schedule.
+    algo = DecentralizedAlgorithm(hierarchical=False, peer_selection_mode="shift_one")
+    model, opt = wrapped(algo, lr=0.1, start=start)
+    sgd_steps(model, opt, rank, 3)
+    checkpoint = copy.deepcopy({"model": model.state_dict(), "bagua": model.bagua_state_dict()})
+    sgd_steps(model, opt, rank, 3)
+    resumed, resumed_opt = wrapped(algo, lr=0.1)
+    resumed.load_state_dict(checkpoint["model"])
+    resumed.load_bagua_state_dict(checkpoint["bagua"])
+    sgd_steps(resumed, resumed_opt, rank, 3)
+    out["resume"] = torch.equal(model.x, resumed.x)
+    return out
+
+
+def test_averaging_algorithms_mix_as_specified():
+    n = 4
+    results = run_workers(_averaging_checks, n, env={"LOCAL_WORLD_SIZE": "2"})
+    starts = [torch.arange(DIM, dtype=torch.float32) * (r + 1) for r in range(n)]
+    mean = torch.stack(starts).mean(0)
+    ring = get_topology("ring", n).gossip_matrix()
+    for rank, out in enumerate(results):
+        for key in ("allreduce_average", "all", "hierarchical_all", "hierarchical_shift_one"):
+            torch.testing.assert_close(out[key][0], mean, msg=key)
+        # shift_one: step 0 pairs 0↔2, 1↔3; step 1 pairs 0↔3, 1↔2.
+        peer = shift_one_peer(rank, n, 0)
+        torch.testing.assert_close(out["shift_one"][0], (starts[rank] + starts[peer]) / 2)
+        expected_ring = sum(ring[rank][j] * starts[j] for j in range(n))
+        torch.testing.assert_close(out["ring"][0], expected_ring)
+        grad = starts[rank] - target(rank)
+        torch.testing.assert_close(out["dpsgd_step"], expected_ring - 0.1 * grad)
+        torch.testing.assert_close(out["interval"][0], starts[rank])
+        torch.testing.assert_close(out["interval"][1], mean)
+        assert out["resume"]
+    second = [out["shift_one"][1] for out in results]
+    first = [out["shift_one"][0] for out in results]
+    torch.testing.assert_close(second[0], (first[0] + first[3]) / 2)
+    torch.testing.assert_close(second[1], (first[1] + first[2]) / 2)
+
+
+def test_shift_one_pairing_follows_bagua_formula():
+    assert [shift_one_peer(r, 4, 0) for r in range(4)] == [2, 3, 0, 1]
+    assert [shift_one_peer(r, 4, 1) for r in range(4)] == [3, 2, 1, 0]
+    for n in range(2, 21, 2):
+        for step in range(2 * n):
+            peers = [shift_one_peer(r, n, step) for r in range(n)]
+            assert all(peers[peers[r]] == r and peers[r] != r for r in range(n))
+            assert all((r < n // 2) != (peers[r] < n // 2) for r in range(n))
+    with pytest.raises(ValueError, match="even"):
+        shift_one_peer(0, 3, 0)
+
+
+# ------------------------------------------------------------------------ bad input
+
+
+def test_constructor_errors_name_the_argument():
+    with pytest.raises(ValueError, match="peer_selection_mode.*'all', 'shift_one'"):
+        DecentralizedAlgorithm(peer_selection_mode="random")
+    with pytest.raises(ValueError, match="mode must be one of.*count"):
+        RelayAlgorithm(mode="bogus")
+    with pytest.raises(ValueError, match="unknown topology 'star'.*chain"):
+        RelayAlgorithm(topology="star")
+    with pytest.raises(ValueError, match="drop_rate"):
+        RelayAlgorithm(drop_rate=1.0)
+    with pytest.raises(ValueError, match="communication_interval"):
+        AllreduceAverageAlgorithm(communication_interval=0)
+
+
+def _bad_setups(rank, n):
+    errors = {}
+    for key, algo in {
+        "not_tree": RelayAlgorithm(topology="ring"),
+        "size": RelayAlgorithm(topology=ChainTopology(n + 1)),
+        "odd": DecentralizedAlgorithm(hierarchical=False, peer_selection_mode="shift_one"),
+        "gossip_size": DecentralizedAlgorithm(hierarchical=False, topology=get_topology("ring", 2)),
+    }.items():
+        try:
+            wrapped(algo, lr=0.1)
+        except ValueError as exc:
+            errors[key] = str(exc)
+    model, opt = wrapped(RelayAlgorithm(topology="chain"), lr=0.1)  # still usable
+    sgd_steps(model, opt, rank, 2)
+    return errors
+
+
+def test_bad_setups_are_refused_at_with_bagua():
+    for errors in run_workers(_bad_setups, 3):
+        assert "not a tree" in errors["not_tree"]
+        assert "4 ranks but the process group has 3" in errors["size"]
+        assert "even number of workers, got 3" in errors["odd"]
+        assert "2 ranks but the process group has 3" in errors["gossip_size"]

@@ -54,6 +54,11 @@ __all__ = [
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
+# torch 2.14 renamed the *_tensor collectives to *_single (and warns on the old names).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class ReduceOp(enum.IntEnum):
     """Reduction operators, numbered as in Bagua."""
 
@@ -343,7 +348,7 @@ def allgather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, group=None, 
         raise ValueError(
             f"recv_tensor must have {size} x {send_tensor.numel()} elements for allgather, got {recv_tensor.numel()}"
         )
-    work = dist.all_gather_into_tensor(recv_tensor.view(-1), send_tensor.reshape(-1).contiguous(), group=group, async_op=True)
+    work = _all_gather_single(recv_tensor.view(-1), send_tensor.reshape(-1).contiguous(), group=group, async_op=True)
     return _finish(CommHandle([work]), async_op)
 
 
@@ -368,7 +373,7 @@ def reduce_scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: Red
         n = recv_tensor.numel()
         finishers.insert(0, lambda: flat_out.copy_(work_buffer[me * n:(me + 1) * n]))
     else:
-        work = dist.reduce_scatter_tensor(flat_out, send_tensor.reshape(-1).contiguous(), op=torch_op, group=group, async_op=True)
+        work = _reduce_scatter_single(flat_out, send_tensor.reshape(-1).contiguous(), op=torch_op, group=group, async_op=True)
     return _finish(CommHandle([work], finishers), async_op)
 
 

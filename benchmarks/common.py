@@ -1,0 +1,157 @@
+"""What the benchmark scripts share: ``--configs`` parsing and starting workers.
+
+A config is ``ddp`` (torch DDP, the usual baseline) or ``ALGO`` or
+``ALGO:key=value,key=value`` with the values parsed as int, float, bool, None or str,
+e.g. ``relay:topology=double_binary_tree``. The keys ``do_flatten`` and
+``bucket_size`` go to ``with_bagua``, the others to the algorithm.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import sys
+from pathlib import Path
+
+# keys of a config that are with_bagua's arguments, not the algorithm's
+WITH_BAGUA_KEYS = ("do_flatten", "bucket_size")
+
+
+class ConfigError(ValueError):
+    """A bad --configs entry (unknown algorithm, bad key=value, bad arguments)."""
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def parse_value(text: str):
+    """``"3"`` → 3, ``"0.5"`` → 0.5, ``"true"`` → True, ``"none"`` → None, else the string."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+class BenchConfig:
+    """One ``--configs`` entry: ``ddp`` or an algorithm with its arguments."""
+
+    def __init__(self, spec: str, name: str, kwargs: dict, wrap_kwargs: dict):
+        self.spec = spec  # as written, the row's label
+        self.name = name
+        self.kwargs = kwargs  # the algorithm's (or DDP's) arguments
+        self.wrap_kwargs = wrap_kwargs  # with_bagua's (do_flatten, bucket_size)
+
+    @property
+    def is_ddp(self) -> bool:
+        return self.name == "ddp"
+
+    def build_algorithm(self):
+        """The bagua_algos Algorithm of this config (ConfigError if it cannot be built)."""
+        from bagua_algos import Algorithm
+
+        try:
+            return Algorithm.init(self.name, **self.kwargs)
+        except ValueError as err:
+            if self.name not in _available_algorithms():
+                raise ConfigError(f"config {self.spec!r}: {err}") from None
+            raise ConfigError(f"config {self.spec!r}: bad arguments for {self.name!r}: {err}") from None
+        except TypeError as err:
+            raise ConfigError(f"config {self.spec!r}: bad arguments for {self.name!r}: {err}") from None
+
+    def __repr__(self) -> str:
+        return f"BenchConfig({self.spec!r})"
+
+
+def _available_algorithms() -> list[str]:
+    from bagua_algos import GlobalAlgorithmRegistry
+
+    return GlobalAlgorithmRegistry.available_algorithms()
+
+
+def parse_configs(text: str) -> list[BenchConfig]:
+    """Parse ``--configs`` and check every algorithm exists and accepts its arguments."""
+    configs = []
+    for raw in text.split(";"):
+        spec = raw.strip()
+        if not spec:
+            continue
+        name, _, rest = spec.partition(":")
+        name = name.strip()
+        if not name:
+            raise ConfigError(f"config {spec!r}: missing the algorithm name before ':'")
+        kwargs: dict = {}
+        for item in rest.split(","):
+            item = item.strip()
+            if not item:
+                continue
+            key, eq, value = item.partition("=")
+            key = key.strip()
+            if not eq or not key:
+                raise ConfigError(f"config {spec!r}: expected key=value, got {item!r}")
+            if key in kwargs:
+                raise ConfigError(f"config {spec!r}: key {key!r} given twice")
+            kwargs[key] = parse_value(value)
+        wrap_kwargs = {}
+        if name != "ddp":
+            wrap_kwargs = {k: kwargs.pop(k) for k in WITH_BAGUA_KEYS if k in kwargs}
+            if "do_flatten" in wrap_kwargs and not isinstance(wrap_kwargs["do_flatten"], bool):
+                raise ConfigError(f"config {spec!r}: do_flatten must be true or false")
+            if "bucket_size" in wrap_kwargs and not (
+                isinstance(wrap_kwargs["bucket_size"], int) and wrap_kwargs["bucket_size"] > 0
+            ):
+                raise ConfigError(f"config {spec!r}: bucket_size must be a positive number of bytes")
+        config = BenchConfig(spec, name, kwargs, wrap_kwargs)
+        if not config.is_ddp:
+            config.build_algorithm()  # unknown names and bad arguments fail here, before any training
+        configs.append(config)
+    if not configs:
+        raise ConfigError("--configs is empty; give e.g. 'ddp;gradient_allreduce'")
+    labels = [c.spec for c in configs]
+    duplicates = sorted({label for label in labels if labels.count(label) > 1})
+    if duplicates:
+        raise ConfigError(f"--configs lists {duplicates} more than once")
+    return configs
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def without_flag(argv: list[str], flag: str) -> list[str]:
+    """``argv`` less ``flag VALUE`` and ``flag=VALUE``."""
+    out, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token == flag:
+            skip = True
+        elif not token.startswith(flag + "="):
+            out.append(token)
+    return out
+
+
+def launch_self(script: str, nproc: int, argv: list[str], command_env: str) -> None:
+    """Run ``script`` with ``argv`` in ``nproc`` local workers through the plugin's
+    launcher (torchrun underneath); it exits non-zero if a worker fails. The user's
+    command line is kept in ``command_env`` for the workers to report."""
+    from bagua_algos.runtime import launch
+
+    os.environ[command_env] = shlex.join([Path(sys.executable).name, *sys.argv])
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    launch.main([
+        "--nproc_per_node", str(nproc),
+        "--master_addr", "127.0.0.1",
+        "--master_port", str(free_port()),
+        str(Path(script).resolve()),
+        *argv,
+    ])

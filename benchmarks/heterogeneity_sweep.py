@@ -1,0 +1,380 @@
+"""The heterogeneity sweep: every algorithm × topology × Dirichlet α, on N local workers.
+
+Run it directly (it starts the workers through ``bagua_algos.launch``, one process
+group reused for every configuration)::
+
+    python benchmarks/heterogeneity_sweep.py                   # digits, 8 workers
+    python benchmarks/heterogeneity_sweep.py --dataset cifar10 --data-dir ~/cifar --epochs 200
+
+Each worker trains on its share from ``DistributedHeterogeneousSampler`` (a smaller α
+is more heterogeneous). After every epoch it measures the test accuracy of every
+worker's model and of the averaged model (1/n) Σ_i x_i. Rank 0 prints a table and
+writes ``results.csv``, ``results.json``, ``accuracy_vs_epoch.png`` (one panel per α,
+a curve per algorithm and topology, like Figures 5.1–5.3 of the RelaySGD thesis) and
+``class_histograms.png`` (the per-worker label counts of each α) into ``--out-dir``.
+With ``--lr-grid`` every configuration is trained with each learning rate and the
+one with the best final averaged-model accuracy is reported, as the thesis tuned it
+(Appendix A); every run is kept in ``results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:  # run as a script: make the repository importable
+    sys.path.insert(0, str(_REPO))
+
+from benchmarks.common import ConfigError, parse_configs, launch_self, without_flag  # noqa: E402
+from benchmarks.sweep_data import DATASETS  # noqa: E402
+
+COMMAND_ENV = "HETEROGENEITY_SWEEP_COMMAND"
+DEFAULT_CONFIGS = ";".join([
+    "allreduce_average",
+    "decentralized:hierarchical=false,topology=ring",
+    "decentralized:hierarchical=false,peer_selection_mode=all",
+    "relay:topology=chain",
+    "relay:topology=binary_tree",
+    "relay:topology=double_binary_tree",
+])
+
+
+def positive_float_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(not math.isfinite(v) or v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive finite numbers, got {text!r}")
+    return values
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="heterogeneity_sweep",
+        description="Train every algorithm x topology x alpha on local workers and compare accuracies.",
+    )
+    p.add_argument("--workers", type=positive_int, default=8, help="local worker processes (default 8)")
+    p.add_argument("--dataset", choices=DATASETS, default="digits", help="digits (embedded, default) or cifar10")
+    p.add_argument("--data-dir", default=None, help="folder with the CIFAR-10 python batches (for --dataset cifar10)")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help="';'-separated ALGO[:key=value,...] entries (default: allreduce_average, D-PSGD on a "
+                        "ring and with Bagua's 'all', relay on chain, binary tree, double binary tree)")
+    p.add_argument("--alphas", type=positive_float_list, default=[1.0, 0.1, 0.01], help="Dirichlet alphas (default 1,0.1,0.01)")
+    p.add_argument("--epochs", type=positive_int, default=30, help="epochs per run (default 30)")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="batch size per worker (default 16)")
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate when no --lr-grid is given (default 0.05)")
+    p.add_argument("--lr-grid", type=positive_float_list, default=None,
+                   help="comma-separated learning rates; each run keeps the best (e.g. 0.01,0.025,0.05,0.1)")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, kept local (default 0.9)")
+    p.add_argument("--weight-decay", type=float, default=1e-4, help="SGD weight decay (default 1e-4)")
+    p.add_argument("--max-steps-per-epoch", type=positive_int, default=None, help="cut epochs short (for smoke tests)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the split, the partition and the models (default 0)")
+    p.add_argument("--out-dir", default="results/sweep", help="where the table, JSON and plots go (default results/sweep)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.lr <= 0 or not math.isfinite(args.lr):
+        parser.error(f"argument --lr: expected a positive number, got {args.lr}")
+    if args.dataset == "cifar10" and args.data_dir is None:
+        parser.error("argument --data-dir: required with --dataset cifar10 (the folder with the CIFAR-10 python batches)")
+    try:
+        args.parsed_configs = parse_configs(args.configs)
+    except ConfigError as err:
+        parser.error(f"argument --configs: {err}")
+    if any(c.is_ddp for c in args.parsed_configs):
+        parser.error("argument --configs: 'ddp' trains gradients, not models, and has no place in this sweep")
+    return args
+
+
+# ------------------------------------------------------------------------------ worker
+
+
+def config_label(config) -> str:
+    """``relay (double_binary_tree)``, ``decentralized (ring)``, ``decentralized (all)``."""
+    kwargs = config.kwargs
+    if "topology" in kwargs:
+        return f"{config.name} ({kwargs['topology']})"
+    if "peer_selection_mode" in kwargs:
+        return f"{config.name} ({kwargs['peer_selection_mode']})"
+    return config.name
+
+
+def accuracy(model, x, y, batch: int = 1000) -> float:
+    import torch
+
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for start in range(0, len(x), batch):
+            correct += int((model(x[start:start + batch]).argmax(1) == y[start:start + batch]).sum())
+    model.train()
+    return correct / len(x)
+
+
+class Evaluator:
+    """Test accuracy of every worker's model and of the averaged model, on every rank."""
+
+    def __init__(self, data, make_model):
+        self.data = data
+        self.average_model = make_model()
+
+    def __call__(self, model) -> tuple[list[float], float]:
+        import torch
+        from bagua_algos.runtime import comm
+
+        mine = accuracy(model, self.data.test_x, self.data.test_y)
+        everyone = torch.zeros(comm.get_world_size(), dtype=torch.float64)
+        comm.allgather(torch.tensor([mine], dtype=torch.float64), everyone)
+        with torch.no_grad():
+            flat = torch.nn.utils.parameters_to_vector(model.parameters()).clone()
+            comm.allreduce_inplace(flat, comm.ReduceOp.AVG)
+            torch.nn.utils.vector_to_parameters(flat, self.average_model.parameters())
+        return everyone.tolist(), accuracy(self.average_model, self.data.test_x, self.data.test_y)
+
+
+def train_one(args, data, config, alpha: float, lr: float, evaluator) -> dict:
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from bagua_algos.runtime import comm
+    from samplers import DistributedHeterogeneousSampler
+    from benchmarks.sweep_data import build_model
+
+    rank, world = comm.get_rank(), comm.get_world_size()
+    torch.manual_seed(args.seed)
+    model = build_model(data)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    model.with_bagua([optimizer], config.build_algorithm(), **config.wrap_kwargs)
+    sampler = DistributedHeterogeneousSampler(
+        TensorDataset(data.train_x, data.train_y), num_replicas=world, rank=rank,
+        alpha=alpha, seed=args.seed, labels=data.train_y,
+    )
+    loader = DataLoader(TensorDataset(data.train_x, data.train_y), batch_size=args.batch_size, sampler=sampler)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    curve_min, curve_avg, curve_loss = [], [], []
+    started = time.perf_counter()
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        losses = []
+        for step, (x, y) in enumerate(loader):
+            if args.max_steps_per_epoch is not None and step >= args.max_steps_per_epoch:
+                break
+            optimizer.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        workers, averaged = evaluator(model)
+        curve_min.append(min(workers))
+        curve_avg.append(averaged)
+        mean_loss = torch.tensor([sum(losses) / max(len(losses), 1)])
+        comm.allreduce_inplace(mean_loss, comm.ReduceOp.AVG)
+        curve_loss.append(float(mean_loss))
+    model.bagua_ddp.detach()
+    return {
+        "algorithm": config.name,
+        "label": config_label(config),
+        "config": config.spec,
+        "alpha": alpha,
+        "lr": lr,
+        "final_min_worker_accuracy": curve_min[-1],
+        "final_mean_worker_accuracy": sum(workers) / len(workers),
+        "final_averaged_model_accuracy": curve_avg[-1],
+        "worker_accuracies": workers,
+        "curve_min_worker_accuracy": curve_min,
+        "curve_averaged_model_accuracy": curve_avg,
+        "curve_train_loss": curve_loss,
+        "seconds": time.perf_counter() - started,
+        "class_histogram": sampler.class_histogram().tolist(),
+    }
+
+
+def run_worker(args) -> None:
+    import torch
+
+    from bagua_algos.runtime import comm
+    from benchmarks.sweep_data import build_model, load_data
+
+    torch.set_num_threads(1)
+    comm.init_process_group()
+    rank = comm.get_rank()
+    data = load_data(args.dataset, args.data_dir, args.seed)
+    evaluator = Evaluator(data, lambda: build_model(data))
+    lrs = args.lr_grid or [args.lr]
+    jobs = [(c, a, lr) for a in args.alphas for c in args.parsed_configs for lr in lrs]
+    bar = None
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(jobs), desc="sweep", unit="run", file=sys.stderr)
+    started = time.perf_counter()
+    runs = []
+    for config, alpha, lr in jobs:
+        if bar is not None:
+            bar.set_postfix_str(f"{config_label(config)} alpha={alpha:g} lr={lr:g}")
+        runs.append(train_one(args, data, config, alpha, lr, evaluator))
+        if bar is not None:
+            bar.update()
+    if bar is not None:
+        bar.close()
+    if rank == 0:
+        report = make_report(args, runs, comm.get_world_size(), time.perf_counter() - started)
+        write_outputs(args, report)
+    comm.barrier()
+    comm.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def best_runs(runs: list[dict]) -> list[dict]:
+    """Per (config, α), the run with the best final averaged-model accuracy."""
+    best: dict = {}
+    for run in runs:
+        key = (run["config"], run["alpha"])
+        if key not in best or run["final_averaged_model_accuracy"] > best[key]["final_averaged_model_accuracy"]:
+            best[key] = run
+    return list(best.values())
+
+
+def make_report(args, runs, world_size: int, seconds: float) -> dict:
+    import torch
+
+    command = os.environ.get(COMMAND_ENV) or " ".join([Path(sys.executable).name, *sys.argv])
+    settings = {k: v for k, v in vars(args).items() if k != "parsed_configs"}
+    return {
+        "command": command,
+        "settings": settings,
+        "world_size": world_size,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "seconds": seconds,
+        "results": best_runs(runs),
+        "all_runs": runs,
+    }
+
+
+TABLE_COLUMNS = [
+    ("algorithm (topology)", "label", "{}"),
+    ("alpha", "alpha", "{:g}"),
+    ("lr", "lr", "{:g}"),
+    ("min worker acc", "final_min_worker_accuracy", "{:.4f}"),
+    ("mean worker acc", "final_mean_worker_accuracy", "{:.4f}"),
+    ("averaged model acc", "final_averaged_model_accuracy", "{:.4f}"),
+]
+
+
+def format_table(rows: list[dict]) -> str:
+    cells = [[fmt.format(row[key]) for _, key, fmt in TABLE_COLUMNS] for row in rows]
+    widths = [max(len(title), *(len(c[i]) for c in cells)) for i, (title, _, _) in enumerate(TABLE_COLUMNS)]
+    line = lambda values: "  ".join(v.ljust(w) for v, w in zip(values, widths))  # noqa: E731
+    return "\n".join([line([t for t, _, _ in TABLE_COLUMNS]), line(["-" * w for w in widths])] + [line(c) for c in cells])
+
+
+def write_outputs(args, report: dict) -> None:
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = sorted(report["results"], key=lambda r: (-r["alpha"], r["label"]))
+    with open(out / "results.json", "w") as f:
+        json.dump(report, f, indent=1)
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([key for _, key, _ in TABLE_COLUMNS] + ["config", "seconds"])
+        for row in rows:
+            writer.writerow([row[key] for _, key, _ in TABLE_COLUMNS] + [row["config"], f"{row['seconds']:.1f}"])
+    plot_accuracy(rows, out / "accuracy_vs_epoch.png", report)
+    plot_histograms(rows, out / "class_histograms.png")
+    print(f"\n{report['command']}\n{report['world_size']} workers, {args.dataset}, {args.epochs} epochs, "
+          f"{report['seconds']:.0f} s\n")
+    print(format_table(rows))
+    print(f"\nwritten: {out / 'results.csv'}, {out / 'results.json'}, {out / 'accuracy_vs_epoch.png'}, "
+          f"{out / 'class_histograms.png'}")
+
+
+def plot_accuracy(rows: list[dict], path: Path, report: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    alphas = sorted({r["alpha"] for r in rows}, reverse=True)
+    fig, axes = plt.subplots(1, len(alphas), figsize=(5 * len(alphas), 4), sharey=True, squeeze=False)
+    for ax, alpha in zip(axes[0], alphas):
+        for row in (r for r in rows if r["alpha"] == alpha):
+            epochs = range(1, len(row["curve_averaged_model_accuracy"]) + 1)
+            line, = ax.plot(epochs, row["curve_averaged_model_accuracy"], label=f"{row['label']} (lr {row['lr']:g})")
+            ax.plot(epochs, row["curve_min_worker_accuracy"], color=line.get_color(), linestyle=":", alpha=0.7)
+        ax.set_title(f"alpha = {alpha:g}")
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("test accuracy")
+    fig.text(0.5, 0.005, "solid: averaged model; dotted: worst worker", ha="center", fontsize=8)
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"{report['world_size']} workers, {report['settings']['dataset']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_histograms(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    by_alpha = {}
+    for row in rows:
+        by_alpha.setdefault(row["alpha"], row["class_histogram"])
+    alphas = sorted(by_alpha, reverse=True)
+    fig, axes = plt.subplots(1, len(alphas), figsize=(5 * len(alphas), 3.5), squeeze=False)
+    for ax, alpha in zip(axes[0], alphas):
+        counts = np.asarray(by_alpha[alpha])
+        bottom = np.zeros(counts.shape[0])
+        cmap = plt.get_cmap("tab10")
+        for c in range(counts.shape[1]):
+            ax.bar(range(counts.shape[0]), counts[:, c], bottom=bottom, color=cmap(c % 10), label=str(c))
+            bottom += counts[:, c]
+        ax.set_title(f"alpha = {alpha:g}")
+        ax.set_xlabel("worker")
+        ax.set_xticks(range(counts.shape[0]))
+    axes[0][0].set_ylabel("training samples per class")
+    axes[0][-1].legend(title="class", fontsize=7, ncol=2, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if "RANK" in os.environ:  # a worker, started by the launcher
+        run_worker(args)
+    else:
+        launch_self(__file__, args.workers, without_flag(argv, "--workers"), COMMAND_ENV)
+
+
+if __name__ == "__main__":
+    main()

@@ -351,3 +351,19 @@ def test_registry_lists_names_and_refuses_duplicates():
         GlobalAlgorithmRegistry.register("gradient_allreduce", GradientAllReduceAlgorithm)
     with pytest.raises(ValueError, match="unknown algorithm 'nope'.*gradient_allreduce"):
         GlobalAlgorithmRegistry.get("nope")
+
+
+def test_buckets_close_at_their_cap_and_split_on_dtype():
+    from bagua_algos.runtime.bucket import BaguaTensor, split_into_buckets
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (100, 300, 50, 400, 10)]
+    params.insert(3, torch.nn.Parameter(torch.zeros(5, dtype=torch.float64)))
+    tensors = [BaguaTensor(f"p{i}", p) for i, p in enumerate(params)]
+    buckets = split_into_buckets(tensors, do_flatten=True, bucket_size=1600, first_bucket_size=400)
+    # The first bucket closes at 400 B (p0), the others at 1600 B (p4 fills one alone);
+    # the float64 tensor starts a bucket of its own.
+    assert [[t.name for t in b.tensors] for b in buckets] == [["p0"], ["p1", "p2"], ["p3"], ["p4"], ["p5"]]
+    for bucket in buckets:
+        assert bucket.check_views()
+    with pytest.raises(ValueError, match="bucket_size"):
+        split_into_buckets(tensors, bucket_size=0)

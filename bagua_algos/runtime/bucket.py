@@ -16,6 +16,7 @@ import torch
 __all__ = ["BaguaTensor", "BaguaBucket", "split_into_buckets", "DEFAULT_BUCKET_SIZE"]
 
 DEFAULT_BUCKET_SIZE = 10 * 1024 * 1024  # bytes, as Bagua's default
+FIRST_BUCKET_SIZE = 1024 * 1024  # a small first bucket starts communication early (as DDP)
 
 
 class BaguaTensor:
@@ -206,26 +207,27 @@ class BaguaBucket:
 
 
 def split_into_buckets(
-    tensors: list[BaguaTensor], do_flatten: bool = True, bucket_size: int = DEFAULT_BUCKET_SIZE
+    tensors: list[BaguaTensor],
+    do_flatten: bool = True,
+    bucket_size: int = DEFAULT_BUCKET_SIZE,
+    first_bucket_size: int = FIRST_BUCKET_SIZE,
 ) -> list[BaguaBucket]:
-    """Consecutive runs of ``tensors`` of at most ``bucket_size`` bytes (a tensor larger
-    than that gets a bucket of its own); a dtype or device change starts a new bucket."""
+    """Consecutive runs of ``tensors``: a bucket closes once it holds ``bucket_size``
+    bytes (the first one at ``first_bucket_size``, so communication starts early in
+    backward, as in torch DDP); a dtype or device change starts a new bucket."""
     if bucket_size <= 0:
         raise ValueError(f"bucket_size must be a positive number of bytes, got {bucket_size}")
     groups: list[list[BaguaTensor]] = []
     size = 0
+    closed = True
     for t in tensors:
         current = groups[-1] if groups else None
-        starts_new = (
-            current is None
-            or size + t.nbytes > bucket_size
-            or t.param.dtype != current[0].param.dtype
-            or t.param.device != current[0].param.device
-        )
-        if starts_new:
+        if closed or t.param.dtype != current[0].param.dtype or t.param.device != current[0].param.device:
             groups.append([t])
             size = t.nbytes
         else:
             current.append(t)
             size += t.nbytes
+        cap = min(first_bucket_size, bucket_size) if len(groups) == 1 else bucket_size
+        closed = size >= cap
     return [BaguaBucket(g, name=f"bucket_{i}", flatten=do_flatten) for i, g in enumerate(groups)]

@@ -1,0 +1,115 @@
+"""benchmarks/synthetic_benchmark.py, run tiny: the table's fields, not its timings.
+
+Every run is a subprocess in its own session with a hard timeout; on overrun the
+whole session (launcher and workers) is killed and the test fails.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "benchmarks" / "synthetic_benchmark.py"
+TIMEOUT = 120
+TINY = ["--model", "mlp", "--mlp-hidden", "16", "--batch-size", "4", "--steps", "2",
+        "--warmup", "1", "--rounds", "1"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+def run(argv, timeout=TIMEOUT):
+    proc = subprocess.Popen([sys.executable, *map(str, argv)], cwd=REPO, env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"benchmark timed out after {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
+    return proc.returncode, out, err
+
+
+def launcher(nproc, *script_args):
+    return ["-m", "bagua_algos.launch", "--nproc_per_node", nproc, "--master_port", free_port(),
+            SCRIPT, *script_args]
+
+
+def test_tiny_run_under_the_launcher(tmp_path):
+    out_path = tmp_path / "results.json"
+    code, out, err = run(launcher(2, *TINY, "--configs", "ddp;gradient_allreduce", "--out", out_path))
+    assert code == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    report = json.loads(out_path.read_text())
+    assert report["baseline"] == "ddp"
+    assert report["host"]["world_size"] == 2
+    assert report["settings"]["batch_size"] == 4 and report["settings"]["steps"] == 2
+    rows = {row["config"]: row for row in report["results"]}
+    assert list(rows) == ["ddp", "gradient_allreduce"]
+    for row in rows.values():
+        assert row["images_per_s"] > 0 and row["ms_per_step"] > 0
+        assert len(row["round_ms_per_step"]) == 1
+        assert row["cpu_ms_per_step"] > 0
+        for key in ("step_time_ratio", "images_per_s_ratio", "step_time_ratio_paired", "cpu_time_ratio"):
+            assert row[key] > 0, key
+    assert rows["ddp"]["step_time_ratio"] == pytest.approx(1.0)
+    assert rows["ddp"]["images_per_s_ratio"] == pytest.approx(1.0)
+    # both configs train the same model on the same data
+    assert rows["ddp"]["final_loss"] == pytest.approx(rows["gradient_allreduce"]["final_loss"], rel=1e-4)
+    # header and table on rank 0's stdout
+    assert "world size 2" in out and "torch " in out and "CPUs" in out
+    assert "step-time ratio" in out and "images/s ratio" in out
+    assert out.count("gradient_allreduce |") == 1
+
+
+def _assert_unknown_name_message(code, err):
+    assert code != 0
+    assert "unknown algorithm 'no_such_algo'" in err, err
+    assert "gradient_allreduce" in err, err  # the valid names are listed
+
+
+def test_unknown_algorithm_fails_before_spawning():
+    code, out, err = run([SCRIPT, "--spawn", 2, *TINY, "--configs", "ddp;no_such_algo"], timeout=60)
+    _assert_unknown_name_message(code, err)
+    assert "round 1/1" not in out  # no worker was started, nothing trained
+
+
+def test_unknown_algorithm_fails_in_the_workers():
+    code, out, err = run(launcher(2, *TINY, "--configs", "ddp;no_such_algo"), timeout=TIMEOUT)
+    _assert_unknown_name_message(code, err)
+    assert "round 1/1" not in out
+
+
+def test_config_parsing():
+    sys.path.insert(0, str(REPO))
+    try:
+        from benchmarks.common import ConfigError, parse_configs, parse_value
+    finally:
+        sys.path.remove(str(REPO))
+    assert [parse_value(v) for v in ("3", "0.5", "True", "false", "none", "chain")] == [3, 0.5, True, False, None, "chain"]
+    ddp, ga = parse_configs(" ddp:bucket_cap_mb=10 ; gradient_allreduce:average=false,do_flatten=false,bucket_size=4096")
+    assert ddp.is_ddp and ddp.kwargs == {"bucket_cap_mb": 10}
+    assert ga.name == "gradient_allreduce" and ga.kwargs == {"average": False}
+    assert ga.wrap_kwargs == {"do_flatten": False, "bucket_size": 4096}
+    assert ga.build_algorithm().average is False
+    for bad in ("", "ddp;ddp", "gradient_allreduce:average", "gradient_allreduce:nope=1", ":x=1"):
+        with pytest.raises(ConfigError):
+            parse_configs(bad)

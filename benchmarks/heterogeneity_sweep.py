@@ -361,7 +361,7 @@ def plot_histograms(rows: list[dict], path: Path) -> None:
         ax.set_xlabel("worker")
         ax.set_xticks(range(counts.shape[0]))
     axes[0][0].set_ylabel("training samples per class")
-    axes[0][-1].legend(title="class", fontsize=7, ncol=2, loc="upper right")
+    axes[0][-1].legend(title="class", fontsize=7, ncol=1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -110,12 +110,13 @@ def test_comm_collectives_on_four_workers():
 # ---------------------------------------------------------------- gradient allreduce
 
 
-def _allreduce_vs_ddp(rank, n, bucket_size, do_flatten, set_to_none):
+def _allreduce_vs_ddp(rank, n, bucket_size, do_flatten, set_to_none, hierarchical):
     from torch.nn.parallel import DistributedDataParallel
 
     bagua_model = small_model(seed=rank)  # different seeds: with_bagua must broadcast rank 0's
     opt = torch.optim.SGD(bagua_model.parameters(), lr=0.1, momentum=0.9)
-    bagua_model.with_bagua([opt], GradientAllReduceAlgorithm(), do_flatten=do_flatten, bucket_size=bucket_size)
+    algorithm = GradientAllReduceAlgorithm(hierarchical=hierarchical)
+    bagua_model.with_bagua([opt], algorithm, do_flatten=do_flatten, bucket_size=bucket_size)
     train(bagua_model, opt, 5, rank, n, set_to_none=set_to_none)
 
     ddp_inner = small_model(seed=0)
@@ -127,13 +128,15 @@ def _allreduce_vs_ddp(rank, n, bucket_size, do_flatten, set_to_none):
 
 
 @pytest.mark.parametrize(
-    "bucket_size,do_flatten,set_to_none",
-    [(10 * 1024 * 1024, True, True), (256, True, False), (256, False, True)],
-    ids=["one-bucket", "small-buckets", "no-flatten"],
+    "bucket_size,do_flatten,set_to_none,hierarchical",
+    [(10 * 1024 * 1024, True, True, False), (256, True, False, False), (256, False, True, False),
+     (256, True, True, True)],
+    ids=["one-bucket", "small-buckets", "no-flatten", "hierarchical-2x2"],
 )
-def test_gradient_allreduce_matches_ddp_and_single_process(bucket_size, do_flatten, set_to_none):
+def test_gradient_allreduce_matches_ddp_and_single_process(bucket_size, do_flatten, set_to_none, hierarchical):
     n = 4
-    results = run_workers(_allreduce_vs_ddp, n, bucket_size, do_flatten, set_to_none)
+    env = {"LOCAL_WORLD_SIZE": "2"} if hierarchical else None  # two "nodes" of two workers
+    results = run_workers(_allreduce_vs_ddp, n, bucket_size, do_flatten, set_to_none, hierarchical, env=env)
     reference = small_model(seed=0)
     opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     train(reference, opt, 5, rank=-1, n=n)  # one process, the concatenated batch

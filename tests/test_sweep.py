@@ -59,3 +59,41 @@ def test_bad_arguments_fail_fast_with_a_clear_message(args, message):
     result = run_sweep(*args, timeout=60)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_same_seed_gives_the_same_sweep(tmp_path):
+    curves = []
+    for name in ("a", "b"):
+        result = run_sweep(
+            "--workers", "2", "--configs", "decentralized:hierarchical=false,topology=ring", "--alphas", "0.01",
+            "--epochs", "2", "--max-steps-per-epoch", "4", "--out-dir", str(tmp_path / name), "--no-progress",
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        report = json.loads((tmp_path / name / "results.json").read_text())
+        run = report["results"][0]
+        curves.append((run["curve_train_loss"], run["worker_accuracies"], run["class_histogram"]))
+    assert curves[0] == curves[1]
+
+
+def test_cifar10_batches_load_and_vgg11_classifies_them(tmp_path):
+    import pickle
+
+    import numpy as np
+    import torch
+
+    from benchmarks.sweep_data import build_model, load_data
+
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": rng.integers(0, 256, (6, 3072), dtype=np.uint8), b"labels": list(rng.integers(0, 10, 6))}
+        with open(tmp_path / name, "wb") as f:
+            pickle.dump(batch, f)
+    data = load_data("cifar10", str(tmp_path), seed=0)
+    assert data.train_x.shape == (30, 3, 32, 32) and data.test_x.shape == (6, 3, 32, 32)
+    assert abs(float(data.train_x.mean())) < 1.0  # normalized
+    model = build_model(data)
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
+    assert model(data.test_x).shape == (6, 10)
+    (tmp_path / "test_batch").unlink()
+    with pytest.raises(FileNotFoundError, match="test_batch"):
+        load_data("cifar10", str(tmp_path), seed=0)

@@ -140,8 +140,10 @@ class BaguaDistributedDataParallel:
         return hook
 
     def _on_backward_end(self) -> None:
-        self._post_backward_hook()
-        self._post_backward_queued = False
+        try:
+            self._post_backward_hook()
+        finally:
+            self._post_backward_queued = False
 
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self._sync_enabled:
@@ -170,9 +172,9 @@ class BaguaDistributedDataParallel:
             self._next_bucket += 1
 
     def wait_pending_comm_ops(self) -> None:
-        """Launch the buckets not launched yet (tensors that got no gradient count as
-        ready), then wait for all communication of this step."""
-        if self._next_bucket or any(b.is_ready for b in self.buckets) or self._post_backward_queued:
+        """After a backward, launch the buckets not launched yet (tensors that got no
+        gradient count as ready); then wait for all communication of this step."""
+        if self._post_backward_queued:
             self._launch_buckets(until=len(self.buckets), only_ready=False)
         for handle in self._pending:
             handle.wait()

@@ -154,6 +154,7 @@ def test_two_nodes_by_two_processes(tmp_path):
     assert {rec["MASTER_ADDR"] for rec in records} == {"127.0.0.1"}
     assert {rec["MASTER_PORT"] for rec in records} == {str(port)}
     assert {rec["allreduce_sum"] for rec in records} == {6.0}
+    assert [rec["comm"] for rec in records] == [[0, 2, 0], [1, 2, 0], [0, 2, 1], [1, 2, 1]]
 
 
 def test_worker_failure_stops_the_job_fast():

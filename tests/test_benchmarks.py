@@ -5,48 +5,19 @@ whole session (launcher and workers) is killed and the test fails.
 """
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from subprocesses import REPO, TIMEOUT, free_port, run_python
+
 SCRIPT = REPO / "benchmarks" / "synthetic_benchmark.py"
-TIMEOUT = 120
+
 TINY = ["--model", "mlp", "--mlp-hidden", "16", "--batch-size", "4", "--steps", "2",
         "--warmup", "1", "--rounds", "1"]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def child_env():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    return env
-
-
 def run(argv, timeout=TIMEOUT):
-    proc = subprocess.Popen([sys.executable, *map(str, argv)], cwd=REPO, env=child_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"benchmark timed out after {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
-    return proc.returncode, out, err
+    return run_python(argv, timeout=timeout)
 
 
 def launcher(nproc, *script_args):
@@ -99,11 +70,8 @@ def test_unknown_algorithm_fails_in_the_workers():
 
 
 def test_config_parsing():
-    sys.path.insert(0, str(REPO))
-    try:
-        from benchmarks.common import ConfigError, parse_configs, parse_value
-    finally:
-        sys.path.remove(str(REPO))
+    from benchmarks.common import ConfigError, parse_configs, parse_value
+
     assert [parse_value(v) for v in ("3", "0.5", "True", "false", "none", "chain")] == [3, 0.5, True, False, None, "chain"]
     ddp, ga = parse_configs(" ddp:bucket_cap_mb=10 ; gradient_allreduce:average=false,do_flatten=false,bucket_size=4096")
     assert ddp.is_ddp and ddp.kwargs == {"bucket_cap_mb": 10}

@@ -6,55 +6,20 @@ overruns.
 """
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from subprocesses import REPO, TIMEOUT, child_env, finish, free_port, start_python
+
 from bagua_algos.runtime import launch
 
-REPO = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "launch_workers"
-TIMEOUT = 120
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def child_env(extra_path=()):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PET_", "TORCHELASTIC_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO), *map(str, extra_path)]
-        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    return env
 
 
 def start_launcher(args, env=None):
-    return subprocess.Popen(
-        [sys.executable, "-m", "bagua_algos.launch", *map(str, args)],
-        cwd=REPO, env=env or child_env(), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def finish(proc, timeout=TIMEOUT):
-    """Wait for a launcher; on timeout kill its whole session and fail."""
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"launcher timed out after {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
-    return proc.returncode, out, err
+    return start_python(["-m", "bagua_algos.launch", *args], env)
 
 
 def run_launcher(args, env=None, timeout=TIMEOUT):

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "heterogeneity_sweep.py"
+from subprocesses import REPO, run_python
+
+SCRIPT = REPO / "benchmarks" / "heterogeneity_sweep.py"
 
 
 def run_sweep(*args, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env)
+    code, out, err = run_python([SCRIPT, *args], timeout=timeout)
+    return SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
 
 def test_miniature_sweep_writes_table_json_and_plots(tmp_path):

@@ -16,7 +16,7 @@ from bagua_algos.algorithms import (
 from bagua_algos.algorithms.relay import coordinate_ranges
 from topologies import ChainTopology, get_topology
 
-from distributed import run_workers
+from gloo_workers import run_workers
 
 DIM = 11  # odd, so the double binary tree's halves differ in size
 

@@ -15,6 +15,11 @@ Peer selection (W):
 With ``hierarchical=True`` (Bagua's default) the weights are first averaged within each
 node, the node leaders (local rank 0) run the exchange among nodes, and the result is
 broadcast within the node; on one node that is the exact average.
+
+Buffers: without hierarchy, "shift_one" and topology gossip send the parameters
+themselves (nothing writes them while forward and backward run) and mix the received
+weights into them in place once the exchange is done, with no copy of the model; "all"
+and the hierarchical mode reduce a private copy of x^t, copied back at the end.
 """
 
 from __future__ import annotations
@@ -89,8 +94,16 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
             peers = ["peer"]
         else:
             peers = []
-        # "own": the weights this worker contributes; "mix": where the mixed weights end up.
-        self._buffers[bucket.name] = {"own": buffer(), "mix": buffer(), "recv": {j: buffer() for j in peers}}
+        # "work": a private copy of x^t, reduced in place while forward and backward read
+        # the parameters: needed by the node average (hierarchical) and by the allreduce
+        # ("all"). Gossip without hierarchy sends the parameters themselves (they do not
+        # change before the exchange is finished) and mixes into them in place.
+        needs_work = self.hierarchical or (self.topology is None and self.peer_selection_mode == "all")
+        self._buffers[bucket.name] = {
+            "work": buffer() if needs_work else None,
+            "own": None,  # what this worker contributes to the exchange in flight
+            "recv": {j: buffer() for j in peers},
+        }
 
     def init_forward_pre_hook(self, bagua_ddp):
         def hook(inputs):
@@ -115,8 +128,10 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
             peer = self.peer_ranks[shift_one_peer(self.my_index, len(self.peer_ranks), self.exchanges)]
         for bucket in bagua_ddp.buckets:
             buffers = self._buffers[bucket.name]
-            own = buffers["own"]
-            own.copy_(bucket.flat_params())  # x^t, kept while forward/backward run
+            own = bucket.flat_params()  # x^t
+            if buffers["work"] is not None:
+                own = buffers["work"].copy_(own)
+            buffers["own"] = own
             if self.hierarchical:
                 comm.allreduce_inplace(own, comm.ReduceOp.AVG, group=comm.intra_node_group())
                 if not self.is_leader:
@@ -130,8 +145,7 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
                 recvs.append((peer, buffers["recv"]["peer"]))
             else:
                 group = comm.inter_node_group() if self.hierarchical else self.process_group
-                buffers["mix"].copy_(own)
-                handles.append(comm.allreduce_inplace(buffers["mix"], comm.ReduceOp.AVG, group=group, async_op=True))
+                handles.append(comm.allreduce_inplace(own, comm.ReduceOp.AVG, group=group, async_op=True))
         if sends:
             handles.append(comm.start_neighbor_exchange(sends, recvs))
         return handles
@@ -142,23 +156,23 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
         self._pending = None
         for bucket in bagua_ddp.buckets:
             buffers = self._buffers[bucket.name]
-            mix = buffers["mix"]
+            own = buffers["own"]
             if self.is_leader:
-                self._mix(buffers)
+                self._mix(own, buffers["recv"])
             if self.hierarchical:
-                comm.broadcast(mix, src=comm.get_node_rank() * comm.get_local_size(), group=comm.intra_node_group())
-            bucket.set_params_from_flat(mix)
+                comm.broadcast(own, src=comm.get_node_rank() * comm.get_local_size(), group=comm.intra_node_group())
+            bucket.set_params_from_flat(own)  # a no-op when own is the parameter buffer
+            buffers["own"] = None
         self.exchanges += 1
 
-    def _mix(self, buffers) -> None:
-        """mix ← Σ_j W_ij x_j (for "all", the allreduce already wrote the mean into mix)."""
-        own, mix, received = buffers["own"], buffers["mix"], buffers["recv"]
+    def _mix(self, own, received) -> None:
+        """own ← Σ_j W_ij x_j, in place (for "all" the allreduce already left the mean in own)."""
         if self.topology is not None:
-            torch.mul(own, self.weights[self.my_index], out=mix)
+            own.mul_(self.weights[self.my_index])
             for j, x_j in received.items():
-                mix.add_(x_j, alpha=self.weights[j])
+                own.add_(x_j, alpha=self.weights[j])
         elif self.peer_selection_mode == "shift_one":
-            torch.add(own, received["peer"], out=mix).mul_(0.5)
+            own.add_(received["peer"]).mul_(0.5)
 
     # --- checkpointing -------------------------------------------------------------
     def state_dict(self) -> dict:

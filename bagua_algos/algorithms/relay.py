@@ -12,9 +12,17 @@ receives m_{j→i}, c_{j→i} from every neighbor and averages what reached it:
 
 with x0 the common initial model. Messages and counts start at zero, so after as many
 steps as the tree's diameter n̄ = n and every worker holds the delayed uniform average
-(1/n) Σ_j x_j^{t−τ_ij+½}. Each message carries its count as one extra element, so a
-link carries one tensor per step. On a double binary tree, each tree relays half of
-the coordinates with its own messages and counts. Optimizer state stays local.
+(1/n) Σ_j x_j^{t−τ_ij+½}. On a double binary tree, each tree relays half of the
+coordinates with its own messages and counts. Optimizer state stays local.
+
+Wire format: a link carries its message and, separately, its count. The count of a
+tree link is the same for every bucket, so each neighbor gets one small float64 tensor
+per step holding the counts of the trees it shares with this worker. A leaf of a tree
+(one neighbor) sends x½ itself, its parameter buffer, with no copy. A worker with two
+or three neighbors builds its messages in place in the buffers that hold last step's
+received messages (each neighbor has two buffers that swap roles from step to step).
+Every message adds its terms in the order x½, then neighbors in order, and the average
+adds the received messages to x½ in place in neighbor order and divides once.
 """
 
 from __future__ import annotations
@@ -35,31 +43,57 @@ RELAY_MODES = ("count", "world_size")
 # ------------------------------------------------------------------ pure tensor math
 
 
-def relay_messages(x_ext: torch.Tensor, received: dict, out: dict) -> None:
-    """out[j] ← x_ext + Σ_{k≠j} received[k] for every neighbor j (x_ext ends with count 1)."""
-    for j, message in out.items():
-        message.copy_(x_ext)
-        for k, heard in received.items():
-            if k != j:
-                message.add_(heard)
+def relay_messages(x: torch.Tensor, received: dict, spare: dict) -> tuple[dict, dict]:
+    """The messages m_j = x + Σ_{k≠j} received[k] for every neighbor j of ``received``.
+
+    Returns ``(messages, targets)``: the tensor to send each neighbor and the buffer to
+    receive its next message into. Each message adds its terms in neighbor order after
+    x, so it rounds exactly as summing it term by term. ``received`` may be overwritten
+    (its messages are not needed once these are built) and ``spare`` holds one free
+    buffer per neighbor; whatever is neither sent nor received into becomes the next
+    spare. With one neighbor the message is x itself; with two or three, the messages
+    are built in place in the received buffers (on CPU an in-place add takes about half
+    the time of an add into a third buffer); with more, into the spare buffers.
+    """
+    order = list(received)
+    if len(order) == 1:
+        return {order[0]: x}, dict(received)
+    if len(order) == 2:
+        a, b = order
+        r_a, r_b = received[a], received[b]
+        # x + r is r + x exactly (IEEE addition commutes).
+        return {a: r_b.add_(x), b: r_a.add_(x)}, dict(spare)
+    if len(order) == 3:
+        a, b, c = order
+        r_a, r_b, r_c = received[a], received[b], received[c]
+        to_c = torch.add(r_a.add_(x), r_b, out=spare[c])  # (x + r_a) + r_b
+        to_a = r_b.add_(x).add_(r_c)  # (x + r_b) + r_c
+        to_b = r_a.add_(r_c)  # (x + r_a) + r_c
+        return {a: to_a, b: to_b, c: to_c}, {a: spare[a], b: spare[b], c: r_c}
+    messages = {}
+    for j, out in spare.items():
+        others = [k for k in order if k != j]
+        message = torch.add(x, received[others[0]], out=out)
+        for k in others[1:]:
+            message.add_(received[k])
+        messages[j] = message
+    return messages, dict(received)
 
 
-def relay_average(x: torch.Tensor, received: dict, mode: str, world_size: int, x0: torch.Tensor | None) -> float:
-    """x ← the relay average of x (= x½) and the received messages, in place; returns n̄."""
-    if not received:
-        return 1.0
-    total = None
-    for heard in received.values():
-        total = heard.clone() if total is None else total.add_(heard)
-    n_bar = 1.0 + float(total[-1])
-    x.add_(total[:-1])
+def relay_average(x: torch.Tensor, received, n_bar: float, mode: str, world_size: int,
+                  x0: torch.Tensor | None) -> None:
+    """x ← the relay average of x (= x½) and the ``received`` messages, in place:
+    (x + Σ m) / n̄ in mode "count", (x + Σ m + (n − n̄)·x0) / n in mode "world_size"."""
+    for heard in received:
+        x.add_(heard)
     if mode == "count":
-        x.div_(n_bar)
+        divisor = n_bar
     else:
         if n_bar != world_size:
             x.add_(x0, alpha=world_size - n_bar)
-        x.div_(world_size)
-    return n_bar
+        divisor = world_size
+    if divisor != 1:
+        x.div_(divisor)
 
 
 def coordinate_ranges(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -77,14 +111,18 @@ def coordinate_ranges(numel: int, parts: int) -> list[tuple[int, int]]:
 
 
 class _Link:
-    """One (bucket, tree) slice: its coordinates and the buffers of its tree neighbors."""
+    """One (bucket, tree) slice: its coordinates, the last message received from each
+    tree neighbor and, with two or more neighbors, a second buffer per neighbor (the
+    messages are built in the received buffers, so the next ones arrive elsewhere)."""
 
     def __init__(self, start, end, neighbors, dtype, device):
         self.start, self.end = start, end
-        size = end - start + 1  # the message and its count
-        self.x_ext = torch.zeros(size, dtype=dtype, device=device)
-        self.send = {j: torch.zeros(size, dtype=dtype, device=device) for j in neighbors}
-        self.recv = {j: torch.zeros(size, dtype=dtype, device=device) for j in neighbors}
+        self.neighbors = list(neighbors)
+        size = end - start
+        self.recv = {j: torch.zeros(size, dtype=dtype, device=device) for j in self.neighbors}
+        self.spare = {}
+        if len(self.neighbors) > 1:
+            self.spare = {j: torch.zeros(size, dtype=dtype, device=device) for j in self.neighbors}
 
 
 class RelayAlgorithmImpl(AlgorithmImpl):
@@ -103,6 +141,16 @@ class RelayAlgorithmImpl(AlgorithmImpl):
         self.dropped = 0
         self._links: dict[tuple[str, int], _Link] = {}
         self._x0: dict[str, torch.Tensor] = {}
+        # Counts are per tree link (equal for every bucket): c_{j→i} heard last step.
+        self._heard_counts = [{j: 0.0 for j in tree.neighbors(self.me)} for tree in self.trees]
+        # Each neighbor (in any tree) exchanges one float64 tensor of counts per step,
+        # one entry per tree the two share, in tree order.
+        self._count_trees: dict[int, list[int]] = {}
+        for k, tree in enumerate(self.trees):
+            for j in tree.neighbors(self.me):
+                self._count_trees.setdefault(j, []).append(k)
+        self._count_send: dict[int, torch.Tensor] = {}
+        self._count_recv: dict[int, torch.Tensor] = {}
 
     def init_backward_hook(self, bagua_ddp):
         return lambda name, param: None
@@ -115,6 +163,10 @@ class RelayAlgorithmImpl(AlgorithmImpl):
         ranges = coordinate_ranges(bucket.numel, len(self.trees))
         for k, (tree, (start, end)) in enumerate(zip(self.trees, ranges)):
             self._links[(bucket.name, k)] = _Link(start, end, tree.neighbors(self.me), bucket.dtype, bucket.device)
+        if not self._count_send:  # count tensors live on the (first) bucket's device
+            for j, trees in self._count_trees.items():
+                self._count_send[j] = torch.zeros(len(trees), dtype=torch.float64, device=bucket.device)
+                self._count_recv[j] = torch.zeros(len(trees), dtype=torch.float64, device=bucket.device)
         if self.mode == "world_size":
             # with_bagua broadcast the parameters before calling us: this is the common x0.
             self._x0[bucket.name] = bucket.flat_params().detach().clone()
@@ -127,29 +179,47 @@ class RelayAlgorithmImpl(AlgorithmImpl):
 
     def relay_step(self, buckets) -> None:
         """One RelaySum round on the parameters after the local step."""
+        if not buckets:
+            self.step += 1
+            return
+        ranks = self.global_ranks
         flats = [bucket.flat_params() for bucket in buckets]
         sends, recvs = [], []
         for bucket, flat in zip(buckets, flats):
             for k in range(len(self.trees)):
                 link = self._links[(bucket.name, k)]
-                link.x_ext[:-1].copy_(flat[link.start:link.end])
-                link.x_ext[-1] = 1
-                relay_messages(link.x_ext, link.recv, link.send)
-                for j in link.send:
-                    sends.append((self.global_ranks[j], link.send[j]))
-                    recvs.append((self.global_ranks[j], link.recv[j]))
+                messages, targets = relay_messages(flat[link.start:link.end], link.recv, link.spare)
+                if link.spare:  # each neighbor has two buffers: the one not received into is spare
+                    link.spare = {j: link.spare[j] if targets[j] is link.recv[j] else link.recv[j] for j in link.neighbors}
+                link.recv = targets
+                for j in link.neighbors:
+                    sends.append((ranks[j], messages[j]))
+                    recvs.append((ranks[j], targets[j]))
+        for j, trees in self._count_trees.items():
+            outgoing = self._count_send[j]
+            for index, k in enumerate(trees):
+                heard = self._heard_counts[k]
+                outgoing[index] = 1.0 + sum(c for other, c in heard.items() if other != j)
+            sends.append((ranks[j], outgoing))
+            recvs.append((ranks[j], self._count_recv[j]))
         comm.neighbor_exchange(sends, recvs)
+
         dropped = self._simulate_drops()
+        for j, trees in self._count_trees.items():
+            for k, c in zip(trees, self._count_recv[j].tolist()):
+                self._heard_counts[k][j] = 0.0 if (k, j) in dropped else c
+        n_bars = [1.0 + sum(heard.values()) for heard in self._heard_counts]
         for bucket, flat in zip(buckets, flats):
             for k in range(len(self.trees)):
                 link = self._links[(bucket.name, k)]
-                received = {j: m for j, m in link.recv.items() if (k, j) not in dropped}
+                received = [link.recv[j] for j in link.neighbors if (k, j) not in dropped]
                 x0 = self._x0[bucket.name][link.start:link.end] if self.mode == "world_size" else None
-                self.last_counts[k] = relay_average(flat[link.start:link.end], received, self.mode, self.n, x0)
+                relay_average(flat[link.start:link.end], received, n_bars[k], self.mode, self.n, x0)
                 for tree_index, peer in dropped:
                     if tree_index == k:
-                        link.recv[peer].zero_()  # not relayed next step either
+                        link.recv[peer].zero_()  # not relayed next step either (its count is 0)
             bucket.set_params_from_flat(flat)
+        self.last_counts = n_bars
         self.step += 1
 
     def _simulate_drops(self) -> set:
@@ -166,23 +236,32 @@ class RelayAlgorithmImpl(AlgorithmImpl):
 
     # --- checkpointing -------------------------------------------------------------
     def state_dict(self) -> dict:
+        # A received message is saved with its count as one extra element, as a link
+        # carried it before counts travelled separately (checkpoints stay compatible).
+        received = {}
+        for (b, k), link in self._links.items():
+            for j, t in link.recv.items():
+                count = torch.tensor([self._heard_counts[k][j]], dtype=t.dtype, device=t.device)
+                received[f"{b}/{k}/{j}"] = torch.cat([t, count])
         return {
             "step": self.step,
             "last_counts": list(self.last_counts),
             "dropped": self.dropped,
             "generator": self.generator.get_state(),
-            "received": {f"{b}/{k}/{j}": t.clone() for (b, k), link in self._links.items() for j, t in link.recv.items()},
+            "received": received,
             "x0": {b: t.clone() for b, t in self._x0.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        mine = self.state_dict()
-        if set(state["received"]) != set(mine["received"]) or set(state["x0"]) != set(mine["x0"]):
+        received_keys = {f"{b}/{k}/{j}" for (b, k), link in self._links.items() for j in link.recv}
+        if set(state["received"]) != received_keys or set(state["x0"]) != set(self._x0):
             raise ValueError("relay state does not match this model's buckets and topology")
         for (b, k), link in self._links.items():
             for j, t in link.recv.items():
-                t.copy_(state["received"][f"{b}/{k}/{j}"])
+                saved = state["received"][f"{b}/{k}/{j}"]
+                t.copy_(saved[:-1])
+                self._heard_counts[k][j] = float(saved[-1])
         for b, t in self._x0.items():
             t.copy_(state["x0"][b])
         self.step = int(state["step"])

@@ -135,11 +135,8 @@ class BaguaBucket:
         if self.flattened and flat.data_ptr() == self.param_buffer.data_ptr():
             return
         with torch.no_grad():
-            offset = 0
-            for t in self.tensors:
-                n = t.numel
-                t.param.data.copy_(flat[offset:offset + n].view_as(t.param))
-                offset += n
+            for t, chunk in self._chunks(flat):
+                t.param.data.copy_(chunk)
 
     def flat_grads(self) -> torch.Tensor:
         """All gradients as one 1-D tensor (missing gradients count as zero)."""
@@ -155,15 +152,18 @@ class BaguaBucket:
         if self.flattened and flat.data_ptr() == self.grad_buffer.data_ptr():
             return
         with torch.no_grad():
-            offset = 0
-            for t in self.tensors:
-                p, n = t.param, t.numel
-                chunk = flat[offset:offset + n].view_as(p)
-                if p.grad is None:
-                    p.grad = chunk.clone()
+            for t, chunk in self._chunks(flat):
+                if t.param.grad is None:
+                    t.param.grad = chunk.clone()
                 else:
-                    p.grad.copy_(chunk)
-                offset += n
+                    t.param.grad.copy_(chunk)
+
+    def _chunks(self, flat: torch.Tensor):
+        """Each tensor with its slice of ``flat``, shaped like it."""
+        offset = 0
+        for t in self.tensors:
+            yield t, flat[offset:offset + t.numel].view_as(t.param)
+            offset += t.numel
 
     # --- operations and readiness ---------------------------------------------------------
     def append_op(self, op: Callable[["BaguaBucket"], object]) -> "BaguaBucket":

@@ -236,32 +236,30 @@ class RelayAlgorithmImpl(AlgorithmImpl):
 
     # --- checkpointing -------------------------------------------------------------
     def state_dict(self) -> dict:
-        # A received message is saved with its count as one extra element, as a link
-        # carried it before counts travelled separately (checkpoints stay compatible).
-        received = {}
-        for (b, k), link in self._links.items():
-            for j, t in link.recv.items():
-                count = torch.tensor([self._heard_counts[k][j]], dtype=t.dtype, device=t.device)
-                received[f"{b}/{k}/{j}"] = torch.cat([t, count])
         return {
             "step": self.step,
             "last_counts": list(self.last_counts),
             "dropped": self.dropped,
             "generator": self.generator.get_state(),
-            "received": received,
+            # last step's messages m_{j→i} (per bucket/tree/neighbor) and counts c_{j→i} (per tree/neighbor)
+            "received": {f"{b}/{k}/{j}": t.clone() for (b, k), link in self._links.items() for j, t in link.recv.items()},
+            "received_counts": {f"{k}/{j}": c for k, heard in enumerate(self._heard_counts) for j, c in heard.items()},
             "x0": {b: t.clone() for b, t in self._x0.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         received_keys = {f"{b}/{k}/{j}" for (b, k), link in self._links.items() for j in link.recv}
-        if set(state["received"]) != received_keys or set(state["x0"]) != set(self._x0):
+        count_keys = {f"{k}/{j}" for k, heard in enumerate(self._heard_counts) for j in heard}
+        if (set(state["received"]) != received_keys or set(state["received_counts"]) != count_keys
+                or set(state["x0"]) != set(self._x0)):
             raise ValueError("relay state does not match this model's buckets and topology")
         for (b, k), link in self._links.items():
             for j, t in link.recv.items():
-                saved = state["received"][f"{b}/{k}/{j}"]
-                t.copy_(saved[:-1])
-                self._heard_counts[k][j] = float(saved[-1])
+                t.copy_(state["received"][f"{b}/{k}/{j}"])
+        for k, heard in enumerate(self._heard_counts):
+            for j in heard:
+                heard[j] = float(state["received_counts"][f"{k}/{j}"])
         for b, t in self._x0.items():
             t.copy_(state["x0"][b])
         self.step = int(state["step"])

@@ -139,7 +139,8 @@ def spawn(nproc: int, argv: list[str]) -> None:
 
 def host_info(world_size: int) -> dict:
     import torch
-    import torch.distributed as dist
+
+    from bagua_algos.runtime import comm
 
     cpu_model = platform.processor() or platform.machine()
     try:
@@ -162,7 +163,7 @@ def host_info(world_size: int) -> dict:
         "cpus_usable": usable,
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "backend": dist.get_backend(),
+        "backend": comm.get_backend(),
         "world_size": world_size,
         "torch_threads_per_worker": torch.get_num_threads(),
         "master_addr": os.environ.get("MASTER_ADDR"),

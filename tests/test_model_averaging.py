@@ -128,7 +128,7 @@ def _relay_checks(rank, n):
         counts = []
         for _ in range(diameter + 2):
             sgd_steps(model, opt, rank, 1)
-            counts.append(list(model.bagua_ddp.algorithm_impl.last_counts))
+            counts.append(list(model.bagua_algorithm.last_counts))
         out[(name, "ones")] = bool(torch.all(model.x == 1.0))
         out[(name, "counts")] = counts
         out[(name, "diameter")] = diameter
@@ -224,11 +224,19 @@ def _averaging_checks(rank, n):
     model, opt = wrapped(DecentralizedAlgorithm(hierarchical=False, topology="ring"), lr=0.1, start=start)
     sgd_steps(model, opt, rank, 1)
     out["dpsgd_step"] = model.x.detach().clone()
-    # Every second step only, with communication_interval=2.
-    model, opt = wrapped(AllreduceAverageAlgorithm(communication_interval=2), lr=0.0, start=start)
-    record = []
-    sgd_steps(model, opt, rank, 2, record)
-    out["interval"] = record
+    # communication_interval=2 averages at steps 1, 3, 5, ... (Bagua's schedule); each
+    # worker moves its model by +rank between steps, so a skipped average shows.
+    for key, algo in {
+        "interval": AllreduceAverageAlgorithm(communication_interval=2),
+        "interval_dpsgd": DecentralizedAlgorithm(hierarchical=False, communication_interval=2),
+    }.items():
+        model, opt = wrapped(algo, lr=0.0, start=start)
+        record = []
+        for _ in range(3):
+            sgd_steps(model, opt, rank, 1, record)
+            with torch.no_grad():
+                model.x.add_(rank)
+        out[key] = record
     # shift_one resumes with the same peer schedule.
     algo = DecentralizedAlgorithm(hierarchical=False, peer_selection_mode="shift_one")
     model, opt = wrapped(algo, lr=0.1, start=start)
@@ -259,8 +267,11 @@ def test_averaging_algorithms_mix_as_specified():
         torch.testing.assert_close(out["ring"][0], expected_ring)
         grad = starts[rank] - target(rank)
         torch.testing.assert_close(out["dpsgd_step"], expected_ring - 0.1 * grad)
-        torch.testing.assert_close(out["interval"][0], starts[rank])
-        torch.testing.assert_close(out["interval"][1], mean)
+        for key in ("interval", "interval_dpsgd"):
+            # step 1 averages; step 2 does not (the +rank stays); step 3 averages again.
+            torch.testing.assert_close(out[key][0], mean, msg=key)
+            torch.testing.assert_close(out[key][1], mean + rank, msg=key)
+            torch.testing.assert_close(out[key][2], mean + (n - 1), msg=key)
         assert out["resume"]
     second = [out["shift_one"][1] for out in results]
     first = [out["shift_one"][0] for out in results]

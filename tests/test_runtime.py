@@ -123,8 +123,8 @@ def _allreduce_vs_ddp(rank, n, bucket_size, do_flatten, set_to_none, hierarchica
     ddp = DistributedDataParallel(ddp_inner)
     ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     train(ddp, ddp_opt, 5, rank, n)
-    views = all(b.check_views() for b in bagua_model.bagua_ddp.buckets) if do_flatten else None
-    return flat(bagua_model), flat(ddp_inner), len(bagua_model.bagua_ddp.buckets), views, bagua_model.bagua_train_step_counter
+    views = all(b.check_flatten() for b in bagua_model.bagua_buckets) if do_flatten else None
+    return flat(bagua_model), flat(ddp_inner), len(bagua_model.bagua_buckets), views, bagua_model.bagua_train_step_counter
 
 
 @pytest.mark.parametrize(
@@ -170,16 +170,18 @@ class RecordingImpl(AlgorithmImpl):
         return lambda inputs: self.log.append(("forward_pre", bagua_ddp.bagua_train_step_counter))
 
     def init_backward_hook(self, bagua_ddp):
+        default = super().init_backward_hook(bagua_ddp)
+
         def hook(name, param):
             self.log.append(("backward", name))
-            bagua_ddp.mark_ready(param)
+            default(name, param)
 
         return hook
 
     def init_post_backward_hook(self, bagua_ddp):
         def hook():
             self.log.append(("post_backward", bagua_ddp.bagua_train_step_counter))
-            bagua_ddp.wait_pending_comm_ops()
+            bagua_ddp._bagua_backend.wait_pending_comm_ops()
 
         return hook
 
@@ -196,7 +198,7 @@ class RecordingAlgorithm(Algorithm):
         return RecordingImpl(process_group, self.log, self.resets)
 
 
-def _hooks_and_state(rank, n):
+def _runtime_scenarios(rank, n):
     out = {}
     model = small_model(seed=rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -241,7 +243,7 @@ def _hooks_and_state(rank, n):
     out["resumed_counter"] = resumed.bagua_train_step_counter
     train(resumed, resumed_opt, 3, rank, n, start=2)
     out["resume_equal"] = torch.equal(flat(model), flat(resumed))
-    out["resume_views"] = all(b.check_views() for b in resumed.bagua_ddp.buckets)
+    out["resume_views"] = all(b.check_flatten() for b in resumed.bagua_buckets)
 
     # Ignored parameters are neither broadcast nor communicated.
     ignored = small_model(seed=rank)
@@ -261,12 +263,15 @@ def _hooks_and_state(rank, n):
     return out
 
 
-def test_hooks_order_reset_no_sync_rewrap_and_state_round_trip():
-    n = 2
-    results = run_workers(_hooks_and_state, n)
-    model = small_model()
-    names = [name for name, _ in model.named_parameters()]
-    for rank, out in enumerate(results):
+@pytest.fixture(scope="module")
+def scenarios():
+    """One 2-worker spawn runs every scenario of this section (a spawn costs seconds)."""
+    return run_workers(_runtime_scenarios, 2)
+
+
+def test_hooks_run_in_bagua_order(scenarios):
+    names = [name for name, _ in small_model().named_parameters()]
+    for out in scenarios:
         log = out["log"]
         assert log[0] == ("init_tensors",)
         for step in (1, 2):
@@ -277,18 +282,40 @@ def test_hooks_order_reset_no_sync_rewrap_and_state_round_trip():
             assert log[start + 1 + len(names)] == ("post_backward", step)
             assert log[start + 2 + len(names)] == ("post_step", step)
         assert len(log) == 1 + 2 * (len(names) + 3)
+
+
+def test_need_reset_rebuilds_before_the_forward_hook(scenarios):
+    for out in scenarios:
         assert out["after_reset"][0] == ("init_tensors",)
         assert out["after_reset"][1] == ("forward_pre", 3)
+
+
+def test_no_sync_skips_the_algorithm_but_counts_the_step(scenarios):
+    for out in scenarios:
         assert out["no_sync_log"] == []
         assert out["no_sync_counter"] == 4
+
+
+def test_rewrap_replaces_the_hooks(scenarios):
+    for out in scenarios:
         assert out["rewrapped_log"] == []
-        assert out["rewrapped_algorithm"] == "GradientAllReduceAlgorithm"
+        assert out["rewrapped_algorithm"] == "GradientAllReduceAlgorithmImpl"
+    torch.testing.assert_close(scenarios[0]["rewrapped_params"], scenarios[1]["rewrapped_params"])
+
+
+def test_state_round_trip_resumes_bit_for_bit(scenarios):
+    for out in scenarios:
         assert out["resumed_counter"] == 2
         assert out["resume_equal"] and out["resume_views"]
-        assert out["momentum_broadcast"]
-    torch.testing.assert_close(results[0]["rewrapped_params"], results[1]["rewrapped_params"])
-    assert not torch.equal(results[0]["ignored_bias"], results[1]["ignored_bias"])
-    assert torch.equal(results[0]["shared_weight"], results[1]["shared_weight"])
+
+
+def test_ignored_parameters_are_neither_broadcast_nor_communicated(scenarios):
+    assert not torch.equal(scenarios[0]["ignored_bias"], scenarios[1]["ignored_bias"])
+    assert torch.equal(scenarios[0]["shared_weight"], scenarios[1]["shared_weight"])
+
+
+def test_optimizer_state_is_broadcast_from_the_first_rank(scenarios):
+    assert all(out["momentum_broadcast"] for out in scenarios)
 
 
 # ------------------------------------------------------------------------ bad input
@@ -357,16 +384,16 @@ def test_registry_lists_names_and_refuses_duplicates():
 
 
 def test_buckets_close_at_their_cap_and_split_on_dtype():
-    from bagua_algos.runtime.bucket import BaguaTensor, split_into_buckets
+    from bagua_algos.runtime.bucket import BaguaBucket, split_into_buckets
 
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (100, 300, 50, 400, 10)]
     params.insert(3, torch.nn.Parameter(torch.zeros(5, dtype=torch.float64)))
-    tensors = [BaguaTensor(f"p{i}", p) for i, p in enumerate(params)]
-    buckets = split_into_buckets(tensors, do_flatten=True, bucket_size=1600, first_bucket_size=400)
+    tensors = [p.ensure_bagua_tensor(f"p{i}", "m") for i, p in enumerate(params)]
+    groups = split_into_buckets(tensors, bucket_size=1600, first_bucket_size=400)
     # The first bucket closes at 400 B (p0), the others at 1600 B (p4 fills one alone);
     # the float64 tensor starts a bucket of its own.
-    assert [[t.name for t in b.tensors] for b in buckets] == [["p0"], ["p1", "p2"], ["p3"], ["p4"], ["p5"]]
-    for bucket in buckets:
-        assert bucket.check_views()
+    assert [[t.bagua_tensor_name for t in g] for g in groups] == [["p0"], ["p1", "p2"], ["p3"], ["p4"], ["p5"]]
+    for index, group in enumerate(groups):
+        assert BaguaBucket(group, name=str(index), flatten=True).check_flatten()
     with pytest.raises(ValueError, match="bucket_size"):
         split_into_buckets(tensors, bucket_size=0)

@@ -1,6 +1,7 @@
 """The algorithms; importing this package registers each under its Bagua name."""
 
 from .allreduce_average import AllreduceAverageAlgorithm, AllreduceAverageAlgorithmImpl
+from .async_model_average import AsyncModelAverageAlgorithm, AsyncModelAverageAlgorithmImpl
 from .decentralized import DecentralizedAlgorithm, DecentralizedAlgorithmImpl, shift_one_peer
 from .gradient_allreduce import GradientAllReduceAlgorithm, GradientAllReduceAlgorithmImpl
 from .relay import RelayAlgorithm, RelayAlgorithmImpl
@@ -8,6 +9,8 @@ from .relay import RelayAlgorithm, RelayAlgorithmImpl
 __all__ = [
     "AllreduceAverageAlgorithm",
     "AllreduceAverageAlgorithmImpl",
+    "AsyncModelAverageAlgorithm",
+    "AsyncModelAverageAlgorithmImpl",
     "DecentralizedAlgorithm",
     "DecentralizedAlgorithmImpl",
     "GradientAllReduceAlgorithm",

@@ -6,195 +6,113 @@ while forward and backward run, then applies the gradient computed at the old we
 
     x_i^{t+1} = Σ_j W_ij x_j^t − γ ∇f_i(x_i^t).
 
+Written as Bagua 0.9 writes it: the parameters are the Bagua tensors, in one flattened
+bucket with one decentralized synchronous op. The forward pre-hook marks them ready, so
+the communication thread copies x^t into ``peer_weight`` and gossips it while forward
+and backward run; the post-backward hook waits and copies the result back before the
+optimizer step. Steps communicate when (step − 1) mod ``communication_interval`` = 0.
+
 Peer selection (W):
 - ``"all"``: W = (1/n) 11ᵀ, an allreduce average of the weights;
 - ``"shift_one"``: each worker averages with one peer, (x_i + x_peer)/2, the pairing
   shifting at every exchange (:func:`shift_one_peer`);
-- ``topology=``: the topology's Metropolis–Hastings matrix, over a neighbor exchange.
+- ``topology=``: the topology's Metropolis–Hastings matrix, over a neighbour exchange
+  between workers.
 
-With ``hierarchical=True`` (Bagua's default) the weights are first averaged within each
-node, the node leaders (local rank 0) run the exchange among nodes, and the result is
-broadcast within the node; on one node that is the exact average.
-
-Buffers: without hierarchy, "shift_one" and topology gossip send the parameters
-themselves (nothing writes them while forward and backward run) and mix the received
-weights into them in place once the exchange is done, with no copy of the model; "all"
-and the hierarchical mode reduce a private copy of x^t, copied back at the end.
+With ``hierarchical=True`` (Bagua's default without a topology) the weights are first
+averaged within each node, the node leaders (local rank 0) gossip among nodes, and the
+result is broadcast within the node; on one node that is the exact average.
 """
 
 from __future__ import annotations
 
-import torch
-
-from ..runtime import comm
 from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
-from .allreduce_average import check_interval
+from ..runtime.bucket import BaguaBucket
+from ..runtime.ops import PEER_SELECTION_MODES, shift_one_peer
+from .allreduce_average import check_interval, communicates_at
 from .topology_arg import check_topology_arg, resolve_topology
+from ..runtime import comm
 
 __all__ = ["DecentralizedAlgorithm", "DecentralizedAlgorithmImpl", "shift_one_peer", "PEER_SELECTION_MODES"]
 
-PEER_SELECTION_MODES = ("all", "shift_one")
-
-
-def shift_one_peer(rank: int, world_size: int, step: int) -> int:
-    """Bagua's shift_one pairing at exchange ``step`` (counted from 0), n even.
-
-    Ranks below n/2 pair with the upper half: r ↦ ((step + r) mod n/2) + n/2, and
-    r ≥ n/2 ↦ (r − n/2 − step) mod n/2, the inverse map, so the pairs are symmetric.
-    """
-    if world_size % 2:
-        raise ValueError(f"shift_one needs an even number of workers, got {world_size}")
-    half = world_size // 2
-    if rank < half:
-        return (step + rank) % half + half
-    return (rank - half - step) % half
-
 
 class DecentralizedAlgorithmImpl(AlgorithmImpl):
-    def __init__(self, process_group, hierarchical, peer_selection_mode, communication_interval, topology):
+    def __init__(self, process_group, hierarchical=True, peer_selection_mode="all",
+                 communication_interval=1, topology=None):
         super().__init__(process_group)
         self.hierarchical = hierarchical
         self.peer_selection_mode = peer_selection_mode
         self.communication_interval = communication_interval
-        self.exchanges = 0  # executed exchanges: the shift_one schedule's step
-        self._pending = None
-        self._buffers: dict[str, dict] = {}
-        ranks = comm.group_ranks(process_group)
-        if hierarchical:
-            if process_group is not None:
-                raise ValueError("hierarchical=True runs over all workers; pass process_group=None")
-            local = comm.get_local_size()
-            self.peer_ranks = list(range(0, comm.get_world_size(), local))  # node leaders
-            self.is_leader = comm.get_local_rank() == 0
-            self.my_index = comm.get_node_rank()
-        else:
-            self.peer_ranks = ranks
-            self.is_leader = True
-            self.my_index = comm.group_rank(process_group)
         self.topology = None
         if topology is not None:
-            self.topology = resolve_topology(topology, len(self.peer_ranks))
-            self.weights = self.topology.gossip_weights(self.my_index)
-        elif peer_selection_mode == "shift_one" and len(self.peer_ranks) % 2:
-            what = "nodes" if hierarchical else "workers"
-            raise ValueError(
-                f"peer_selection_mode='shift_one' needs an even number of {what}, got {len(self.peer_ranks)}"
-            )
+            peers = comm.get_world_size() // comm.get_local_size() if hierarchical else comm.get_world_size(process_group)
+            self.topology = resolve_topology(topology, peers)
 
-    # Weights are what this algorithm communicates; gradients stay local.
-    def init_backward_hook(self, bagua_ddp):
-        return lambda name, param: None
+    def _should_communicate(self, bagua_ddp) -> bool:
+        return communicates_at(bagua_ddp.bagua_train_step_counter, self.communication_interval)
+
+    def init_tensors(self, bagua_ddp):
+        self.tensors = [
+            param.ensure_bagua_tensor(name, bagua_ddp.bagua_module_name)
+            for name, param in reversed(bagua_ddp.bagua_build_params())
+        ]
+        return self.tensors
+
+    def tensors_to_buckets(self, tensors, do_flatten):
+        return [BaguaBucket([t for group in tensors for t in group], flatten=do_flatten, name="0")]
 
     def init_operations(self, bagua_ddp, bucket):
         bucket.clear_ops()
-        buffer = lambda: torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)  # noqa: E731
-        if self.topology is not None:
-            peers = self.topology.neighbors(self.my_index)
-        elif self.peer_selection_mode == "shift_one":
-            peers = ["peer"]
-        else:
-            peers = []
-        # "work": a private copy of x^t, reduced in place while forward and backward read
-        # the parameters: needed by the node average (hierarchical) and by the allreduce
-        # ("all"). Gossip without hierarchy sends the parameters themselves (they do not
-        # change before the exchange is finished) and mixes into them in place.
-        needs_work = self.hierarchical or (self.topology is None and self.peer_selection_mode == "all")
-        self._buffers[bucket.name] = {
-            "work": buffer() if needs_work else None,
-            "own": None,  # what this worker contributes to the exchange in flight
-            "recv": {j: buffer() for j in peers},
-        }
+        peer_weight = bucket.flattened_tensor().ensure_bagua_tensor("peer_weight")
+        bucket._decentralized_op = bucket.append_decentralized_synchronous_op(
+            peer_weight=peer_weight,
+            hierarchical=self.hierarchical,
+            peer_selection_mode=self.peer_selection_mode,
+            group=self.process_group,
+            topology=self.topology,
+        )
 
     def init_forward_pre_hook(self, bagua_ddp):
         def hook(inputs):
-            if self._pending is not None:  # a forward without backward: finish that exchange
-                self._finish(bagua_ddp)
-            if bagua_ddp.bagua_train_step_counter % self.communication_interval == 0:
-                self._pending = self._start_exchange(bagua_ddp)
+            if self._should_communicate(bagua_ddp):
+                for tensor in self.tensors:
+                    tensor.bagua_mark_communication_ready()
 
         return hook
+
+    def init_backward_hook(self, bagua_ddp):
+        return lambda name, param: None  # gradients stay local
 
     def init_post_backward_hook(self, bagua_ddp):
         def hook():
-            if self._pending is not None:
-                self._finish(bagua_ddp)
+            if self._should_communicate(bagua_ddp):
+                bagua_ddp._bagua_backend.wait_pending_comm_ops()
+                for bucket in bagua_ddp.bagua_buckets:
+                    bucket._decentralized_op.copy_back_peer_weight(bucket)
 
         return hook
 
-    # --- exchange -------------------------------------------------------------------
-    def _start_exchange(self, bagua_ddp) -> list:
-        handles, sends, recvs = [], [], []
-        if self.topology is None and self.peer_selection_mode == "shift_one":
-            peer = self.peer_ranks[shift_one_peer(self.my_index, len(self.peer_ranks), self.exchanges)]
-        for bucket in bagua_ddp.buckets:
-            buffers = self._buffers[bucket.name]
-            own = bucket.flat_params()  # x^t
-            if buffers["work"] is not None:
-                own = buffers["work"].copy_(own)
-            buffers["own"] = own
-            if self.hierarchical:
-                comm.allreduce_inplace(own, comm.ReduceOp.AVG, group=comm.intra_node_group())
-                if not self.is_leader:
-                    continue
-            if self.topology is not None:
-                for j, received in buffers["recv"].items():
-                    sends.append((self.peer_ranks[j], own))
-                    recvs.append((self.peer_ranks[j], received))
-            elif self.peer_selection_mode == "shift_one":
-                sends.append((peer, own))
-                recvs.append((peer, buffers["recv"]["peer"]))
-            else:
-                group = comm.inter_node_group() if self.hierarchical else self.process_group
-                handles.append(comm.allreduce_inplace(own, comm.ReduceOp.AVG, group=group, async_op=True))
-        if sends:
-            handles.append(comm.start_neighbor_exchange(sends, recvs))
-        return handles
 
-    def _finish(self, bagua_ddp) -> None:
-        for handle in self._pending:
-            handle.wait()
-        self._pending = None
-        for bucket in bagua_ddp.buckets:
-            buffers = self._buffers[bucket.name]
-            own = buffers["own"]
-            if self.is_leader:
-                self._mix(own, buffers["recv"])
-            if self.hierarchical:
-                comm.broadcast(own, src=comm.get_node_rank() * comm.get_local_size(), group=comm.intra_node_group())
-            bucket.set_params_from_flat(own)  # a no-op when own is the parameter buffer
-            buffers["own"] = None
-        self.exchanges += 1
-
-    def _mix(self, own, received) -> None:
-        """own ← Σ_j W_ij x_j, in place (for "all" the allreduce already left the mean in own)."""
-        if self.topology is not None:
-            own.mul_(self.weights[self.my_index])
-            for j, x_j in received.items():
-                own.add_(x_j, alpha=self.weights[j])
-        elif self.peer_selection_mode == "shift_one":
-            own.add_(received["peer"]).mul_(0.5)
-
-    # --- checkpointing -------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {"exchanges": self.exchanges}
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self.exchanges = int(state["exchanges"])
+_UNSET = object()
 
 
 class DecentralizedAlgorithm(Algorithm):
     """D-PSGD with Bagua's arguments.
 
     Args:
-        hierarchical: average within each node first and exchange between nodes only.
-        peer_selection_mode: ``"all"`` or ``"shift_one"`` (ignored when ``topology`` is given).
-        communication_interval: exchange every this many steps.
+        hierarchical: average within each node first and gossip between nodes only.
+            Defaults to True (Bagua's default) without a topology; a topology means gossip
+            between workers, so it defaults to False then.
+        peer_selection_mode: ``"all"`` or ``"shift_one"`` (not used with ``topology``).
+        communication_interval: communicate at steps 1, k+1, 2k+1, … (Bagua's schedule).
         topology: gossip over this topology (a name from ``topologies`` or a Topology)
             with Metropolis–Hastings weights, instead of Bagua's peer selection.
+
+    The exchange count (the shift_one schedule) lives in the bucket's state, so
+    ``bagua_state_dict()`` saves it.
     """
 
-    def __init__(self, hierarchical: bool = True, peer_selection_mode: str = "all",
+    def __init__(self, hierarchical=_UNSET, peer_selection_mode: str = "all",
                  communication_interval: int = 1, topology=None):
         if peer_selection_mode not in PEER_SELECTION_MODES:
             raise ValueError(
@@ -202,6 +120,13 @@ class DecentralizedAlgorithm(Algorithm):
             )
         if topology is not None:
             check_topology_arg(topology)
+            if hierarchical is True:
+                raise ValueError(
+                    "topology= gossips between workers, hierarchical=True averages each node and gossips "
+                    "between nodes: pass one of them (hierarchical=False with a topology)"
+                )
+        if hierarchical is _UNSET:
+            hierarchical = topology is None
         self.hierarchical = bool(hierarchical)
         self.peer_selection_mode = peer_selection_mode
         self.communication_interval = check_interval(communication_interval)

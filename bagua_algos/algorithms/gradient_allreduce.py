@@ -1,13 +1,14 @@
 """Gradient allreduce: synchronous data-parallel SGD, as torch DDP.
 
 Every worker applies the same gradient g = (1/n) Σ_i g_i (or Σ_i g_i with
-``average=False``). A bucket's allreduce starts once all its gradients are ready, so
-communication overlaps the rest of backward; the post-backward hook waits for it.
+``average=False``). Written exactly as a Bagua 0.9 algorithm: the runtime's defaults
+register each gradient and mark it ready once accumulated; each bucket gets one
+centralized synchronous op, which the communication thread runs as soon as the bucket
+is ready, so communication overlaps the rest of backward; the post-backward hook waits.
 """
 
 from __future__ import annotations
 
-from ..runtime import comm
 from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 
 __all__ = ["GradientAllReduceAlgorithm", "GradientAllReduceAlgorithmImpl"]
@@ -16,24 +17,14 @@ __all__ = ["GradientAllReduceAlgorithm", "GradientAllReduceAlgorithmImpl"]
 class GradientAllReduceAlgorithmImpl(AlgorithmImpl):
     def __init__(self, process_group, hierarchical: bool = False, average: bool = True):
         super().__init__(process_group)
-        if hierarchical and process_group is not None:
-            raise ValueError("hierarchical=True runs over all workers; pass process_group=None")
         self.hierarchical = hierarchical
-        self.op = comm.ReduceOp.AVG if average else comm.ReduceOp.SUM
+        self.average = average
 
     def init_operations(self, bagua_ddp, bucket) -> None:
         bucket.clear_ops()
-        bucket.append_op(self._allreduce_gradients)
-
-    def _allreduce_gradients(self, bucket) -> comm.CommHandle:
-        grads = bucket.flat_grads()
-        if self.hierarchical:
-            handle = comm.hierarchical_allreduce_inplace(grads, self.op, async_op=True)
-        else:
-            handle = comm.allreduce_inplace(grads, self.op, group=self.process_group, async_op=True)
-        if not bucket.flattened:
-            handle.then(lambda: bucket.set_grads_from_flat(grads))
-        return handle
+        bucket.append_centralized_synchronous_op(
+            hierarchical=self.hierarchical, average=self.average, group=self.process_group
+        )
 
 
 class GradientAllReduceAlgorithm(Algorithm):

@@ -152,6 +152,13 @@ class RelayAlgorithmImpl(AlgorithmImpl):
         self._count_send: dict[int, torch.Tensor] = {}
         self._count_recv: dict[int, torch.Tensor] = {}
 
+    def init_tensors(self, bagua_ddp):
+        # The parameters themselves are communicated (one flattened buffer per bucket).
+        return [
+            param.ensure_bagua_tensor(name, bagua_ddp.bagua_module_name)
+            for name, param in reversed(bagua_ddp.bagua_build_params())
+        ]
+
     def init_backward_hook(self, bagua_ddp):
         return lambda name, param: None
 
@@ -159,6 +166,7 @@ class RelayAlgorithmImpl(AlgorithmImpl):
         return lambda: None
 
     def init_operations(self, bagua_ddp, bucket):
+        # No bucket ops: the relay runs on the training thread after the optimizer step.
         bucket.clear_ops()
         ranges = coordinate_ranges(bucket.numel, len(self.trees))
         for k, (tree, (start, end)) in enumerate(zip(self.trees, ranges)):
@@ -169,11 +177,11 @@ class RelayAlgorithmImpl(AlgorithmImpl):
                 self._count_recv[j] = torch.zeros(len(trees), dtype=torch.float64, device=bucket.device)
         if self.mode == "world_size":
             # with_bagua broadcast the parameters before calling us: this is the common x0.
-            self._x0[bucket.name] = bucket.flat_params().detach().clone()
+            self._x0[bucket.name] = bucket.flattened_tensor()
 
     def init_post_optimizer_step_hook(self, bagua_ddp):
         def hook(optimizer):
-            self.relay_step(bagua_ddp.buckets)
+            self.relay_step(bagua_ddp.bagua_buckets)
 
         return hook
 
@@ -183,7 +191,7 @@ class RelayAlgorithmImpl(AlgorithmImpl):
             self.step += 1
             return
         ranks = self.global_ranks
-        flats = [bucket.flat_params() for bucket in buckets]
+        flats = [bucket.flat_view() for bucket in buckets]
         sends, recvs = [], []
         for bucket, flat in zip(buckets, flats):
             for k in range(len(self.trees)):
@@ -218,7 +226,7 @@ class RelayAlgorithmImpl(AlgorithmImpl):
                 for tree_index, peer in dropped:
                     if tree_index == k:
                         link.recv[peer].zero_()  # not relayed next step either (its count is 0)
-            bucket.set_params_from_flat(flat)
+            bucket.write_flat(flat)
         self.last_counts = n_bars
         self.step += 1
 

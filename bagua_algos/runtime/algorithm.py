@@ -8,6 +8,10 @@ modules. ``reify(process_group)`` makes an :class:`AlgorithmImpl` that owns the 
 2. ``init_backward_hook``: ``hook(parameter_name, parameter)`` once a gradient is ready;
 3. ``init_post_backward_hook``: ``hook()`` once per backward, after all gradients;
 4. ``init_post_optimizer_step_hook``: ``hook(optimizer)`` after each ``optimizer.step()``.
+
+Set-up goes through ``init_tensors`` (Bagua tensors), ``tensors_to_buckets`` and
+``init_operations`` (ops appended to each bucket), as in Bagua 0.9: an algorithm file
+written for Bagua runs on this runtime unchanged.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import comm
-from .bucket import BaguaBucket, BaguaTensor, split_into_buckets
+from .bucket import BaguaBucket
 
 if TYPE_CHECKING:
     from .ddp import BaguaDistributedDataParallel
@@ -43,10 +47,11 @@ class Algorithm:
 
 
 class AlgorithmImpl:
-    """State and hooks of an algorithm bound to a process group.
+    """State and hooks of an algorithm bound to a process group (Bagua 0.9's contract).
 
-    The defaults implement "communicate a bucket once all its tensors are ready, wait
-    for everything after backward": subclasses override what they need.
+    The defaults are Bagua's: communicate the gradients, a bucket once all its tensors
+    are marked ready, and wait for everything after backward. Subclasses override what
+    they need.
     """
 
     def __init__(self, process_group):
@@ -55,22 +60,34 @@ class AlgorithmImpl:
     # --- life cycle -----------------------------------------------------------------
     def need_reset(self) -> bool:
         """Return True to have the module rebuild tensors, buckets and operations before
-        the next forward."""
+        the next forward (checked once per training forward)."""
         return False
 
-    def init_tensors(self, bagua_ddp: "BaguaDistributedDataParallel") -> list[BaguaTensor]:
-        """The tensors this algorithm communicates, in the order their gradients are
-        expected to become ready (reverse registration order)."""
-        return [BaguaTensor(name, param) for name, param in reversed(bagua_ddp.named_parameters)]
+    def init_tensors(self, bagua_ddp: "BaguaDistributedDataParallel") -> list:
+        """The Bagua tensors to communicate, in the order their gradients are expected
+        to become ready (reverse registration order): each parameter, registered with
+        its gradient as the effective tensor."""
+        parameters = bagua_ddp.bagua_build_params()
+        tensors = []
+        for name, param in reversed(parameters):
+            tensors.append(
+                param.bagua_ensure_grad().ensure_bagua_tensor(
+                    name,
+                    bagua_ddp.bagua_module_name,
+                    getter_closure=lambda p: p.grad,
+                    setter_closure=lambda p, t: setattr(p, "grad", t),
+                )
+            )
+        self._communication_tensor_names = {name for name, _ in parameters}
+        return tensors
 
-    def tensors_to_buckets(self, tensors: list[BaguaTensor], do_flatten: bool, bucket_size: int | None = None) -> list[BaguaBucket]:
-        """Group ``tensors`` into buckets of at most ``bucket_size`` bytes (10 MiB)."""
-        kwargs = {} if bucket_size is None else {"bucket_size": bucket_size}
-        return split_into_buckets(tensors, do_flatten=do_flatten, **kwargs)
+    def tensors_to_buckets(self, tensors: list, do_flatten: bool) -> list[BaguaBucket]:
+        """Buckets from the runtime's suggestion ``tensors`` (a list of lists of Bagua
+        tensors); the default follows it, naming bucket k ``str(k)``."""
+        return [BaguaBucket(group, flatten=do_flatten, name=str(index)) for index, group in enumerate(tensors)]
 
     def init_operations(self, bagua_ddp: "BaguaDistributedDataParallel", bucket: BaguaBucket) -> None:
-        """Register on ``bucket`` (``bucket.append_op``) what runs once all its tensors
-        are ready. Each op is ``op(bucket) -> CommHandle | None``."""
+        """Append to ``bucket`` (``bucket.append_*_op``) what runs once it is ready."""
 
     # --- hooks ----------------------------------------------------------------------
     def init_forward_pre_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> Callable[[Any], None]:
@@ -81,13 +98,14 @@ class AlgorithmImpl:
 
     def init_backward_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> Callable[[str, Any], None]:
         def hook(parameter_name, parameter):
-            bagua_ddp.mark_ready(parameter)
+            if parameter_name in self._communication_tensor_names:
+                parameter.bagua_mark_communication_ready()
 
         return hook
 
     def init_post_backward_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> Callable[[], None]:
         def hook():
-            bagua_ddp.wait_pending_comm_ops()
+            bagua_ddp._bagua_backend.wait_pending_comm_ops()
 
         return hook
 
@@ -99,7 +117,9 @@ class AlgorithmImpl:
 
     # --- checkpointing --------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Everything needed to resume this algorithm exactly (tensors are cloned)."""
+        """Everything beyond ``bucket.state`` needed to resume exactly (tensors cloned).
+
+        Per-bucket state kept in ``bucket.state`` is saved by the runtime itself."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:

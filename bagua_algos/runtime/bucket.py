@@ -1,233 +1,315 @@
-"""Tensors grouped into buckets; a flattened bucket owns one buffer for the parameters
-and one for their gradients, and each parameter (and gradient) is a view into them.
+"""``BaguaBucket``: Bagua tensors communicated together, and the ops run on them.
 
-With flattening, a collective or a send runs on ``bucket.flat_params()`` /
-``bucket.flat_grads()`` directly: they *are* the parameters, no copy in or out. Without
-it, those methods pack a copy and ``set_params_from_flat`` / ``set_grads_from_flat``
-unpack it, so an algorithm is written once for both cases.
+As in Bagua 0.9, a bucket holds Bagua tensors (see :mod:`.tensor`); with ``flatten``
+their *effective* tensors (gradients for gradient algorithms, parameters for model
+averaging) are moved into one contiguous buffer, ``bucket.backend_tensor``, so a
+collective runs on the buffer with no pack or unpack copy. ``alignment`` pads the
+bucket with a zero tensor so its length divides the alignment (chunking for
+scatter-gather and compression).
+
+Ops are appended with Bagua's appenders and run, in the order appended, on the
+backend's communication thread once every tensor of the bucket is marked ready
+(see :mod:`.backend`):
+
+- ``append_python_op(fn, group)``: ``fn(bucket_name)``;
+- ``append_centralized_synchronous_op(hierarchical, average, scattergather,
+  compression, group)``: allreduce (sum or mean) of the bucket;
+- ``append_decentralized_synchronous_op(peer_weight, hierarchical,
+  peer_selection_mode, group)``: gossip the weights into ``peer_weight``; returns the
+  op, whose ``copy_back_peer_weight(bucket)`` writes the result back;
+- ``append_asynchronous_model_average_op(peer_selection_mode, group)``: one round of
+  background model averaging; returns the op (``lock_weight`` / ``unlock_weight``);
+- ``append_low_precision_decentralized_synchronous_op(...)``: refused until the
+  MinMaxUInt8 codec exists.
+
+``bucket.state`` is the home of an algorithm's per-bucket state (error buffers,
+warm-start factors, ...): ``module.bagua_state_dict()`` saves it and
+``load_bagua_state_dict`` restores it, with no code in the algorithm.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, List, Optional
 
 import torch
 
-__all__ = ["BaguaTensor", "BaguaBucket", "split_into_buckets", "DEFAULT_BUCKET_SIZE"]
+from . import ops
+from .tensor import BaguaTensor
+
+__all__ = ["BaguaBucket", "split_into_buckets", "DEFAULT_BUCKET_SIZE", "FIRST_BUCKET_SIZE"]
 
 DEFAULT_BUCKET_SIZE = 10 * 1024 * 1024  # bytes, as Bagua's default
 FIRST_BUCKET_SIZE = 1024 * 1024  # a small first bucket starts communication early (as DDP)
 
 
-class BaguaTensor:
-    """A named parameter taking part in communication."""
-
-    __slots__ = ("name", "param", "grad_view")
-
-    def __init__(self, name: str, param: torch.nn.Parameter):
-        self.name = name
-        self.param = param
-        self.grad_view: torch.Tensor | None = None
-
-    @property
-    def numel(self) -> int:
-        return self.param.numel()
-
-    @property
-    def nbytes(self) -> int:
-        return self.param.numel() * self.param.element_size()
-
-    def __repr__(self) -> str:
-        return f"BaguaTensor({self.name!r}, shape={tuple(self.param.shape)})"
-
-
 class BaguaBucket:
-    """Tensors communicated together, with the operations run once all are ready."""
+    """Bagua tensors communicated together (Bagua 0.9's ``BaguaBucket``)."""
 
-    def __init__(self, tensors: list[BaguaTensor], name: str, flatten: bool = True):
+    def __init__(self, tensors: List[BaguaTensor], name: str, flatten: bool, alignment: int = 1) -> None:
+        tensors = list(tensors)
         if not tensors:
-            raise ValueError("a bucket needs at least one tensor")
-        first = tensors[0].param
-        for t in tensors:
-            if t.param.dtype != first.dtype or t.param.device != first.device:
+            raise ValueError(f"bucket {name!r} needs at least one Bagua tensor")
+        for index, tensor in enumerate(tensors):
+            if not (torch.is_tensor(tensor) and tensor.is_bagua_tensor()):
+                raise TypeError(
+                    f"bucket {name!r}: tensors[{index}] is not a Bagua tensor; register it with "
+                    "tensor.ensure_bagua_tensor(name, module_name) first"
+                )
+        if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
+            raise ValueError(f"bucket {name!r}: alignment must be an int >= 1, got {alignment!r}")
+        module_names = {t.bagua_module_name for t in tensors}
+        if len(module_names) > 1:
+            raise ValueError(f"bucket {name!r}: every tensor must belong to one module, got {sorted(map(str, module_names))}")
+        first = _effective_or_proxy(tensors[0])
+        for tensor in tensors:
+            effective = _effective_or_proxy(tensor)
+            if effective.dtype != first.dtype or effective.device != first.device:
                 raise ValueError(
-                    f"bucket {name!r}: all tensors must share dtype and device; {t.name} is "
-                    f"{t.param.dtype} on {t.param.device}, {tensors[0].name} is {first.dtype} on {first.device}"
+                    f"bucket {name!r}: all tensors must share dtype and device; {tensor.bagua_tensor_name!r} is "
+                    f"{effective.dtype} on {effective.device}, {tensors[0].bagua_tensor_name!r} is "
+                    f"{first.dtype} on {first.device}"
                 )
         self.tensors = tensors
+        """The Bagua tensors of the bucket (the padding tensor excluded)."""
         self.name = name
+        self.bagua_module_name = tensors[0].bagua_module_name
         self.dtype = first.dtype
         self.device = first.device
-        self.numel = sum(t.numel for t in tensors)
-        self.flattened = flatten
-        self.param_buffer: torch.Tensor | None = None
-        self.grad_buffer: torch.Tensor | None = None
-        self._ops: list[Callable[["BaguaBucket"], object]] = []
-        self._ready = [False] * len(tensors)
-        self._ready_count = 0
+        self.padding_tensor = None
+        total = sum(_effective_or_proxy(t).numel() for t in tensors)
+        if alignment > 1 and total % alignment:
+            padding = alignment - total % alignment
+            self.padding_tensor = torch.zeros(padding, dtype=self.dtype, device=self.device).ensure_bagua_tensor(
+                "bagua_padding_tensor_bucket_" + name, module_name=self.bagua_module_name
+            )
+        self._all_tensors = tensors + ([self.padding_tensor] if self.padding_tensor is not None else [])
+        self._shapes = [_effective_or_proxy(t).shape for t in self._all_tensors]
+        self._numels = [int(_effective_or_proxy(t).numel()) for t in self._all_tensors]
+        self.numel = sum(self._numels)
+        self.flatten = flatten
+        self.backend_tensor: Optional[torch.Tensor] = None
+        """With ``flatten``: the buffer holding every effective tensor, in order."""
+        self.backend_bucket = self  # Bagua's algorithms hand this to ops; here it is the bucket
+        self.state: dict = {}
+        self._ops: list = []
         if flatten:
-            self._flatten()
+            self._flatten_()
+        for tensor in self._all_tensors:
+            tensor._bagua_bucket = self
 
-    # --- flattening -----------------------------------------------------------------
-    def _flatten(self) -> None:
-        params = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-        grads = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        offset = 0
+    # --- flattening ---------------------------------------------------------------------
+    def flattened_tensor(self) -> torch.Tensor:
+        """A new 1-D tensor holding the effective tensors (padding included), in order."""
+        out = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
-            for t in self.tensors:
-                p, n = t.param, t.numel
-                params[offset:offset + n].copy_(p.data.reshape(-1))
-                if p.grad is not None:
-                    grads[offset:offset + n].copy_(p.grad.reshape(-1))
-                p.data = params[offset:offset + n].view_as(p)
-                t.grad_view = grads[offset:offset + n].view_as(p)
-                offset += n
-        self.param_buffer, self.grad_buffer = params, grads
-        for t in self.tensors:
-            if t.param.grad is not None:
-                t.param.grad = t.grad_view
-
-    def attach_grads(self) -> None:
-        """Make every ``param.grad`` the bucket's view again.
-
-        A gradient set to ``None`` (``zero_grad(set_to_none=True)``) is zero, so its view
-        is zeroed and attached; autograd then accumulates into the view in place. A
-        gradient replaced by another tensor is copied into its view.
-        """
-        if not self.flattened:
-            return
-        with torch.no_grad():
-            for t in self.tensors:
-                p, view = t.param, t.grad_view
-                if p.grad is view:
-                    continue
-                if p.grad is None:
-                    view.zero_()
+            for chunk, tensor in zip(self._chunks(out), self._all_tensors):
+                effective = tensor.bagua_getter_closure()
+                if effective is None:
+                    chunk.zero_()
                 else:
-                    view.copy_(p.grad)
-                p.grad = view
+                    chunk.copy_(effective)
+        return out
 
-    def check_views(self) -> bool:
-        """True if every parameter and gradient is still a view into the buffers."""
-        if not self.flattened:
-            return False
-        base_p, base_g = self.param_buffer.data_ptr(), self.grad_buffer.data_ptr()
-        item = self.param_buffer.element_size()
+    def _flatten_(self) -> None:
+        """Move every effective tensor into one buffer (in place: same tensor objects)."""
+        if self.check_flatten():
+            first = self._all_tensors[0].bagua_getter_closure()
+            self.backend_tensor = torch.empty(0, dtype=self.dtype, device=self.device).set_(
+                first.untyped_storage(), first.storage_offset(), (self.numel,), (1,))
+            return
+        buffer = self.flattened_tensor()
+        self.backend_tensor = buffer
         offset = 0
-        for t in self.tensors:
-            p = t.param
-            if p.data.data_ptr() != base_p + offset * item:
+        for tensor, n, shape in zip(self._all_tensors, self._numels, self._shapes):
+            if tensor.bagua_getter_closure() is None:
+                tensor.bagua_setter_closure(buffer[offset:offset + n].view(shape))
+            else:
+                tensor.bagua_set_storage(buffer.untyped_storage(), buffer.storage_offset() + offset)
+            offset += n
+
+    def check_flatten(self) -> bool:
+        """True if the effective tensors lie one after the other in one storage."""
+        expected = None
+        storage = None
+        for tensor, n in zip(self._all_tensors, self._numels):
+            effective = tensor.bagua_getter_closure()
+            if effective is None or not effective.is_contiguous():
                 return False
-            if p.grad is not None and p.grad.data_ptr() != base_g + offset * item:
+            if storage is None:
+                storage = effective.untyped_storage().data_ptr()
+                expected = effective.data_ptr()
+            elif effective.untyped_storage().data_ptr() != storage or effective.data_ptr() != expected:
                 return False
-            offset += t.numel
+            expected += n * effective.element_size()
         return True
 
-    # --- flat access for algorithms ---------------------------------------------------
-    def flat_params(self) -> torch.Tensor:
-        """All parameters as one 1-D tensor: the buffer itself when flattened, else a copy."""
-        if self.flattened:
-            return self.param_buffer
-        return torch.cat([t.param.data.reshape(-1) for t in self.tensors])
+    def bytes(self) -> int:
+        """Bytes of the bucket's effective tensors (the padding excluded)."""
+        item = torch.empty((), dtype=self.dtype).element_size()
+        return sum(self._numels[: len(self.tensors)]) * item
 
-    def set_params_from_flat(self, flat: torch.Tensor) -> None:
-        """Parameters ← ``flat`` (a no-op when ``flat`` is the buffer)."""
-        if self.flattened and flat.data_ptr() == self.param_buffer.data_ptr():
+    def _before_ops(self) -> None:
+        """Put every effective tensor back into its place in ``backend_tensor``.
+
+        A gradient that ``zero_grad(set_to_none=True)`` removed is zero: its view is
+        zeroed and handed to the setter, so autograd accumulates into the buffer next
+        time. A gradient that autograd (or the user) replaced is copied into its view.
+        """
+        if not self.flatten:
+            return
+        buffer = self.backend_tensor
+        offset = 0
+        with torch.no_grad():
+            for tensor, n, shape in zip(self._all_tensors, self._numels, self._shapes):
+                effective = tensor.bagua_getter_closure()
+                view = buffer[offset:offset + n]
+                if effective is None or effective.data_ptr() != view.data_ptr():
+                    view = view.view(shape)
+                    if effective is None:
+                        view.zero_()
+                    else:
+                        view.copy_(effective)
+                    if tensor._bagua_setter is not None:
+                        tensor.bagua_setter_closure(view)
+                    else:
+                        effective.set_(view)
+                offset += n
+
+    # --- flat access (for ops and for algorithms that work on whole buckets) ----------
+    def flat_view(self) -> torch.Tensor:
+        """The effective tensors as one 1-D tensor: ``backend_tensor`` itself when the
+        bucket is flattened (writing to it writes the tensors), else a packed copy."""
+        if self.flatten:
+            self._before_ops()
+            return self.backend_tensor
+        return self.flattened_tensor()
+
+    def write_flat(self, flat: torch.Tensor) -> None:
+        """Effective tensors ← ``flat`` (a no-op when ``flat`` is ``backend_tensor``)."""
+        if self.flatten and flat.data_ptr() == self.backend_tensor.data_ptr():
             return
         with torch.no_grad():
-            for t, chunk in self._chunks(flat):
-                t.param.data.copy_(chunk)
-
-    def flat_grads(self) -> torch.Tensor:
-        """All gradients as one 1-D tensor (missing gradients count as zero)."""
-        if self.flattened:
-            self.attach_grads()
-            return self.grad_buffer
-        return torch.cat([
-            (t.param.grad if t.param.grad is not None else torch.zeros_like(t.param)).reshape(-1)
-            for t in self.tensors
-        ])
-
-    def set_grads_from_flat(self, flat: torch.Tensor) -> None:
-        if self.flattened and flat.data_ptr() == self.grad_buffer.data_ptr():
-            return
-        with torch.no_grad():
-            for t, chunk in self._chunks(flat):
-                if t.param.grad is None:
-                    t.param.grad = chunk.clone()
+            for chunk, tensor in zip(self._chunks(flat), self._all_tensors):
+                effective = tensor.bagua_getter_closure()
+                if effective is None:
+                    tensor.bagua_setter_closure(chunk.clone())
                 else:
-                    t.param.grad.copy_(chunk)
+                    effective.copy_(chunk)
 
     def _chunks(self, flat: torch.Tensor):
-        """Each tensor with its slice of ``flat``, shaped like it."""
         offset = 0
-        for t in self.tensors:
-            yield t, flat[offset:offset + t.numel].view_as(t.param)
-            offset += t.numel
+        for n, shape in zip(self._numels, self._shapes):
+            yield flat[offset:offset + n].view(shape)
+            offset += n
 
-    # --- operations and readiness ---------------------------------------------------------
-    def append_op(self, op: Callable[["BaguaBucket"], object]) -> "BaguaBucket":
-        """Run ``op(bucket)`` when all tensors are ready; it may return a handle to wait on."""
-        self._ops.append(op)
-        return self
-
-    def clear_ops(self) -> "BaguaBucket":
-        self._ops.clear()
-        return self
+    # --- ops ----------------------------------------------------------------------------
+    def _run_ops(self) -> None:
+        for op in list(self._ops):
+            op(self)
 
     @property
     def ops(self) -> tuple:
         return tuple(self._ops)
 
-    def mark_ready(self, index: int) -> bool:
-        """Mark tensor ``index`` ready; True when the whole bucket is ready."""
-        if not self._ready[index]:
-            self._ready[index] = True
-            self._ready_count += 1
-        return self._ready_count == len(self.tensors)
+    def clear_ops(self) -> "BaguaBucket":
+        """Remove the ops appended so far."""
+        self._ops.clear()
+        return self
 
-    @property
-    def is_ready(self) -> bool:
-        return self._ready_count == len(self.tensors)
+    def append_python_op(self, python_function: Callable[[str], None], group=None) -> "BaguaBucket":
+        """Run ``python_function(bucket_name)`` (on the communication thread)."""
+        if not callable(python_function):
+            raise TypeError(f"append_python_op: python_function must be callable, got {type(python_function).__name__}")
+        self._ops.append(ops.PythonOp(python_function))
+        return self
 
-    def reset_ready(self) -> None:
-        self._ready = [False] * len(self.tensors)
-        self._ready_count = 0
+    def append_centralized_synchronous_op(
+        self,
+        hierarchical: bool = False,
+        average: bool = True,
+        scattergather: bool = False,
+        compression: Optional[str] = None,
+        group=None,
+    ) -> "BaguaBucket":
+        """Sum or average the bucket over every worker of ``group`` (all by default).
 
-    def run_ops(self) -> list:
-        handles = []
-        for op in self._ops:
-            handle = op(self)
-            if handle is not None:
-                handles.append(handle)
-        return handles
+        ``hierarchical``: within each node first, then across nodes. ``scattergather``:
+        a reduce-scatter then an all-gather instead of one allreduce. ``compression``:
+        ``None`` (``"MinMaxUInt8"`` is not available yet).
+        """
+        self._ops.append(ops.CentralizedSynchronousOp(hierarchical, average, scattergather, compression, group))
+        return self
+
+    def append_decentralized_synchronous_op(
+        self,
+        peer_weight: BaguaTensor,
+        hierarchical: bool = True,
+        peer_selection_mode: str = "all",
+        group=None,
+        topology=None,
+    ) -> "ops.DecentralizedSynchronousOp":
+        """Gossip the bucket's weights with peers, result in ``peer_weight``.
+
+        The weights are copied into ``peer_weight`` and averaged there ("all": with
+        every worker; "shift_one": with one peer, changing at each execution;
+        ``topology=`` (an extension of Bagua's API): with the topology's neighbours,
+        Metropolis–Hastings weights). ``op.copy_back_peer_weight(bucket)`` writes the
+        result into the bucket.
+        """
+        op = ops.DecentralizedSynchronousOp(self, peer_weight, hierarchical, peer_selection_mode, group, topology)
+        self._ops.append(op)
+        return op
+
+    def append_low_precision_decentralized_synchronous_op(
+        self, weight, left_peer_weight, right_peer_weight, hierarchical: bool = True,
+        compression: str = "MinMaxUInt8", group=None,
+    ):
+        raise NotImplementedError(
+            "append_low_precision_decentralized_synchronous_op needs the MinMaxUInt8 codec, which this "
+            "version of bagua-algos does not have yet (low_precision_decentralized is not available)"
+        )
+
+    def append_asynchronous_model_average_op(self, peer_selection_mode: str = "all", group=None) -> "ops.AsyncModelAverageOp":
+        """One round of model averaging with the other workers of ``group``, meant to run
+        on a background thread while training goes on: x ← x + (mean(s) − s), with s
+        the weights copied when the round began. Returns the op."""
+        op = ops.AsyncModelAverageOp(self, peer_selection_mode, group)
+        self._ops.append(op)
+        return op
 
     def __repr__(self) -> str:
-        return f"BaguaBucket({self.name!r}, tensors={len(self.tensors)}, numel={self.numel}, flattened={self.flattened})"
+        return f"BaguaBucket({self.name!r}, tensors={len(self.tensors)}, numel={self.numel}, flatten={self.flatten})"
+
+
+def _effective_or_proxy(tensor) -> torch.Tensor:
+    effective = tensor.bagua_getter_closure()
+    return tensor if effective is None else effective
 
 
 def split_into_buckets(
-    tensors: list[BaguaTensor],
-    do_flatten: bool = True,
+    tensors: List[BaguaTensor],
     bucket_size: int = DEFAULT_BUCKET_SIZE,
     first_bucket_size: int = FIRST_BUCKET_SIZE,
-) -> list[BaguaBucket]:
-    """Consecutive runs of ``tensors``: a bucket closes once it holds ``bucket_size``
-    bytes (the first one at ``first_bucket_size``, so communication starts early in
-    backward, as in torch DDP); a dtype or device change starts a new bucket."""
-    if bucket_size <= 0:
-        raise ValueError(f"bucket_size must be a positive number of bytes, got {bucket_size}")
-    groups: list[list[BaguaTensor]] = []
+) -> List[List[BaguaTensor]]:
+    """Bagua's bucketing suggestion: consecutive runs of ``tensors``; a run closes once it
+    holds ``bucket_size`` bytes (the first at ``first_bucket_size``, so communication
+    starts early in backward, as in torch DDP); a dtype or device change starts a new one."""
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
+        raise ValueError(f"bucket_size must be a positive number of bytes, got {bucket_size!r}")
+    groups: list[list] = []
     size = 0
     closed = True
+    kind = None
     for t in tensors:
-        current = groups[-1] if groups else None
-        if closed or t.param.dtype != current[0].param.dtype or t.param.device != current[0].param.device:
+        effective = _effective_or_proxy(t)
+        t_kind = (effective.dtype, effective.device)
+        if closed or t_kind != kind:
             groups.append([t])
-            size = t.nbytes
+            size = 0
+            kind = t_kind
         else:
-            current.append(t)
-            size += t.nbytes
+            groups[-1].append(t)
+        size += effective.numel() * effective.element_size()
         cap = min(first_bucket_size, bucket_size) if len(groups) == 1 else bucket_size
         closed = size >= cap
-    return [BaguaBucket(g, name=f"bucket_{i}", flatten=do_flatten) for i, g in enumerate(groups)]
+    return groups

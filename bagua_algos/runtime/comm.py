@@ -414,3 +414,14 @@ def start_neighbor_exchange(
 def neighbor_exchange(sends, recvs, group=None) -> None:
     """Blocking :func:`start_neighbor_exchange`."""
     start_neighbor_exchange(sends, recvs, group).wait()
+
+
+# TEMP (replaced by the comm branch)
+def _get_default_group():
+    return None
+
+
+def all_gather_object(obj, group=None) -> list:
+    out = [None] * get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -1,97 +1,128 @@
-"""``with_bagua``: install an algorithm's hooks on a module, as Bagua does.
+"""``with_bagua``: install an algorithm on a module, with Bagua 0.9's semantics.
 
-One training step (see docs/DESIGN.md):
+Set-up (``_bagua_init_algorithm``, again whenever ``need_reset()`` says so): broadcast
+parameters, buffers and optimizer state from the group's first rank; ``init_tensors``;
+``tensors_to_buckets`` on the runtime's bucketing suggestion; ``init_operations`` for
+each bucket; the buckets' order registered with the module's backend.
 
-1. forward pre-hook: ``bagua_train_step_counter += 1``, rebuild if the algorithm asks
-   (``need_reset``), then the algorithm's forward pre-hook;
-2. each parameter's gradient, once accumulated: the algorithm's backward hook (by
-   default it marks the tensor ready; a bucket whose tensors are all ready runs its
-   operations, buckets in order so every rank issues collectives in the same order);
+One training step:
+
+1. forward pre-hooks (training mode only, as in Bagua): ``bagua_train_step_counter``
+   += 1; rebuild if ``need_reset()``; the algorithm's ``init_forward_pre_hook``;
+2. each parameter's gradient, once accumulated (keyed on autograd, not on
+   ``module.training``, as in Bagua and torch DDP): the algorithm's backward hook (by
+   default it marks the gradient ready; the backend runs a bucket's ops on its
+   communication thread once the bucket and all before it are ready);
 3. once per backward, after all gradients: the algorithm's post-backward hook (by
-   default it launches any bucket not launched yet and waits for all of them);
+   default it waits for every pending op);
 4. after each ``optimizer.step()``: the algorithm's post-optimizer-step hook.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import warnings
 from typing import Iterable
 
 import torch
 
 from . import comm
 from .algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
-from .bucket import DEFAULT_BUCKET_SIZE, BaguaBucket
+from .backend import get_backend
+from .bucket import DEFAULT_BUCKET_SIZE, split_into_buckets
 
 __all__ = ["BaguaDistributedDataParallel", "with_bagua"]
 
-IGNORE_ATTRIBUTE = "_bagua_params_and_buffers_to_ignore"
+IGNORE_ATTRIBUTES = ("_bagua_params_and_buffers_to_ignore", "_ddp_params_and_buffers_to_ignore")
+BROADCAST_BUFFERS_CHOICES = (False, True, "first_step")
 
 
 class BaguaDistributedDataParallel:
-    """The state ``with_bagua`` attaches to a module as ``module.bagua_ddp``."""
+    """What ``with_bagua`` attaches to a module as ``module.bagua_ddp``.
+
+    Bagua's attributes: ``module``, ``bagua_module_name``, ``bagua_optimizers``,
+    ``bagua_algorithm`` (the AlgorithmImpl), ``process_group``, ``parameters_to_ignore``,
+    ``bagua_train_step_counter``, ``bagua_buckets``, ``_bagua_backend``,
+    ``require_backward_grad_sync``; ``bagua_build_params()``.
+    """
 
     def __init__(
         self,
         module: torch.nn.Module,
         optimizers: list[torch.optim.Optimizer],
         algorithm: Algorithm,
-        impl: AlgorithmImpl,
         process_group,
-        do_flatten: bool,
-        bucket_size: int,
+        bagua_module_name: str,
+        gradient_as_bucket_view: bool = True,
+        bucket_size: int = DEFAULT_BUCKET_SIZE,
+        broadcast_buffers: bool | str = False,
     ):
         self.module = module
-        self.optimizers = optimizers
-        self.bagua_algorithm = algorithm
-        self.algorithm_impl = impl
+        self.bagua_module_name = bagua_module_name
+        self.bagua_optimizers = optimizers
         self.process_group = process_group
-        self.do_flatten = do_flatten
+        self.bagua_algorithm: AlgorithmImpl = algorithm.reify(process_group)
+        self.algorithm = algorithm
+        self.gradient_as_bucket_view = gradient_as_bucket_view
         self.bucket_size = bucket_size
+        self.broadcast_buffers = broadcast_buffers
+        self.parameters_to_ignore: list[str] = []
+        for attribute in IGNORE_ATTRIBUTES:
+            self.parameters_to_ignore.extend(getattr(module, attribute, ()))
         self.bagua_train_step_counter = 0
-        ignored = set(getattr(module, IGNORE_ATTRIBUTE, ()))
-        self.named_parameters = [
-            (name, p) for name, p in module.named_parameters() if name not in ignored and p.requires_grad
-        ]
-        self._broadcast_tensors = [p for name, p in module.named_parameters() if name not in ignored]
-        self._broadcast_tensors += [b for name, b in module.named_buffers() if name not in ignored]
-        self._hook_handles: list = []
-        self._sync_enabled = True
-        self._pending: list = []
-        self._next_bucket = 0
+        self.bagua_buckets: list = []
+        self.require_backward_grad_sync = True
+        self._bagua_backend = get_backend(bagua_module_name)
         self._post_backward_queued = False
-        self.buckets: list[BaguaBucket] = []
+        self._framework_hooks: list = []
+        self._algorithm_hooks: list = []
+        self._bagua_init_algorithm()
+        self._register_framework_hooks()
 
-        # Broadcast first, so the algorithm sees the common initial model (RelaySGD keeps it).
-        self._broadcast_from_first_rank()
-        self._init_algorithm()
-        self._register_hooks()
+    # --- Bagua's set-up -------------------------------------------------------------
+    def bagua_build_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """``(name, parameter)`` for every parameter that requires grad and is not
+        ignored, each once (shared parameters keep their first name)."""
+        ignored = set(self.parameters_to_ignore)
+        seen = set()
+        params = []
+        for name, param in self.module.named_parameters():
+            if not param.requires_grad or name in ignored or f".{name}" in ignored or id(param) in seen:
+                continue
+            if param.is_sparse:
+                raise NotImplementedError(f"parameter {name!r} is sparse; sparse gradients are not supported")
+            seen.add(id(param))
+            params.append((name, param))
+        return params
 
-    # --- set-up ----------------------------------------------------------------------
-    def _init_algorithm(self) -> None:
-        impl = self.algorithm_impl
+    def _bagua_init_algorithm(self) -> None:
+        self._bagua_backend.wait_pending_comm_ops()
+        self._bagua_broadcast_parameters()
+        impl = self.bagua_algorithm
         tensors = impl.init_tensors(self)
-        self.buckets = impl.tensors_to_buckets(tensors, self.do_flatten, self.bucket_size)
-        self._bucket_of = {}
-        for b_index, bucket in enumerate(self.buckets):
-            for t_index, t in enumerate(bucket.tensors):
-                self._bucket_of[id(t.param)] = (b_index, t_index)
-        for bucket in self.buckets:
+        suggestion = split_into_buckets(tensors, bucket_size=self.bucket_size)
+        self.bagua_buckets = impl.tensors_to_buckets(suggestion, self.gradient_as_bucket_view)
+        for bucket in self.bagua_buckets:
             impl.init_operations(self, bucket)
-        self._forward_pre_hook = impl.init_forward_pre_hook(self)
-        self._backward_hook = impl.init_backward_hook(self)
-        self._post_backward_hook = impl.init_post_backward_hook(self)
-        self._post_step_hook = impl.init_post_optimizer_step_hook(self)
-        self._reset_step_state()
+        self._bagua_backend.register_ordered_buckets(self.bagua_buckets)
+        self._register_algorithm_hooks()
+        self._shapes = {name: (p.dtype, p.device) for name, p in self.bagua_build_params()}
 
-    def _broadcast_from_first_rank(self) -> None:
+    def _broadcast_tensors(self) -> list[torch.Tensor]:
+        ignored = set(self.parameters_to_ignore)
+        tensors = [p for name, p in self.module.named_parameters() if name not in ignored]
+        tensors += [b for name, b in self.module.named_buffers() if name not in ignored]
+        return tensors
+
+    def _bagua_broadcast_parameters(self) -> None:
         """Parameters, buffers and optimizer state ← those of the group's first rank."""
         src = comm.group_ranks(self.process_group)[0]
         handles = []
         with torch.no_grad():
-            for tensor in self._broadcast_tensors:
+            for tensor in self._broadcast_tensors():
                 handles.append(comm.broadcast(tensor.data, src=src, group=self.process_group, async_op=True))
-            for optimizer in self.optimizers:
+            for optimizer in self.bagua_optimizers:
                 for param in sorted_state_params(optimizer):
                     for _, value in sorted(optimizer.state[param].items()):
                         if torch.is_tensor(value):
@@ -99,120 +130,142 @@ class BaguaDistributedDataParallel:
             for handle in handles:
                 handle.wait()
 
-    def _register_hooks(self) -> None:
-        self._hook_handles.append(self.module.register_forward_pre_hook(self._on_forward))
-        for name, param in self.named_parameters:
-            self._hook_handles.append(param.register_post_accumulate_grad_hook(self._gradient_hook(name)))
-        for optimizer in self.optimizers:
-            self._hook_handles.append(optimizer.register_step_post_hook(self._on_optimizer_step))
-
-    def detach(self) -> None:
-        """Remove every hook; parameters keep their current values."""
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles.clear()
-        self.wait_pending_comm_ops()
+    def _broadcast_buffers_now(self) -> None:
+        src = comm.group_ranks(self.process_group)[0]
+        ignored = set(self.parameters_to_ignore)
+        with torch.no_grad():
+            handles = [comm.broadcast(b.data, src=src, group=self.process_group, async_op=True)
+                       for name, b in self.module.named_buffers() if name not in ignored]
+            for handle in handles:
+                handle.wait()
 
     # --- hooks ----------------------------------------------------------------------
+    def _register_framework_hooks(self) -> None:
+        """Forward pre-hooks (training mode only, as Bagua's)."""
+        self._framework_hooks.append(self.module.register_forward_pre_hook(self._on_forward))
+
+    def _register_algorithm_hooks(self) -> None:
+        for handle in self._algorithm_hooks:
+            handle.remove()
+        self._algorithm_hooks = []
+        for name, param in self.module.named_parameters():
+            if param.requires_grad:
+                self._algorithm_hooks.append(param.register_post_accumulate_grad_hook(self._gradient_hook(name)))
+        step_hook = self.bagua_algorithm.init_post_optimizer_step_hook(self)
+        for optimizer in self.bagua_optimizers:
+            self._algorithm_hooks.append(optimizer.register_step_post_hook(
+                lambda optimizer, args, kwargs: step_hook(optimizer) if self.require_backward_grad_sync else None))
+
     def _on_forward(self, module, inputs) -> None:
-        if not (module.training and torch.is_grad_enabled()):
+        if not module.training:
             return
+        self._check_unchanged()
         self.bagua_train_step_counter += 1
-        module.bagua_train_step_counter = self.bagua_train_step_counter
-        if self.algorithm_impl.need_reset():
-            self.wait_pending_comm_ops()
-            self._init_algorithm()
-        self._reset_step_state()
-        for bucket in self.buckets:
-            bucket.attach_grads()
-        if self._sync_enabled:
-            self._forward_pre_hook(inputs)
+        if self.bagua_algorithm.need_reset():
+            self._bagua_init_algorithm()
+        if self.broadcast_buffers is True or (self.broadcast_buffers == "first_step" and self.bagua_train_step_counter == 1):
+            self._broadcast_buffers_now()
+        if self.require_backward_grad_sync:
+            self.bagua_algorithm.init_forward_pre_hook(self)(inputs)
 
     def _gradient_hook(self, name: str):
         def hook(param: torch.Tensor) -> None:
-            if not self._sync_enabled:
+            if not self.require_backward_grad_sync:
                 return
             if not self._post_backward_queued:
                 self._post_backward_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-            self._backward_hook(name, param)
+            self.bagua_algorithm.init_backward_hook(self)(name, param)
 
         return hook
 
     def _on_backward_end(self) -> None:
         try:
-            self._post_backward_hook()
+            self.bagua_algorithm.init_post_backward_hook(self)()
         finally:
             self._post_backward_queued = False
 
-    def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
-        if self._sync_enabled:
-            self._post_step_hook(optimizer)
+    def _check_unchanged(self) -> None:
+        """A dtype or device change after wrapping breaks the buckets: say so clearly."""
+        for name, p in self.module.named_parameters():
+            expected = self._shapes.get(name)
+            if expected is not None and (p.dtype, p.device) != expected:
+                raise RuntimeError(
+                    f"parameter {name!r} is now {p.dtype} on {p.device} but was {expected[0]} on "
+                    f"{expected[1]} when with_bagua() wrapped the module; call .to(), .double(), .half() "
+                    f"or .cuda() before with_bagua(), or call with_bagua() again after it"
+                )
 
-    # --- what hooks call ------------------------------------------------------------
-    def mark_ready(self, param: torch.Tensor) -> None:
-        """Mark ``param``'s gradient ready; launch every bucket that is ready, in order."""
-        where = self._bucket_of.get(id(param))
-        if where is None:
-            return
-        b_index, t_index = where
-        bucket = self.buckets[b_index]
-        t = bucket.tensors[t_index]
-        if t.grad_view is not None and param.grad is not t.grad_view:
-            bucket.attach_grads()
-        if bucket.mark_ready(t_index):
-            self._launch_buckets(until=len(self.buckets), only_ready=True)
+    def detach(self) -> None:
+        """Remove every hook (parameters keep their current values)."""
+        self._bagua_backend.wait_pending_comm_ops()
+        for handle in self._framework_hooks + self._algorithm_hooks:
+            handle.remove()
+        self._framework_hooks, self._algorithm_hooks = [], []
 
-    def _launch_buckets(self, until: int, only_ready: bool) -> None:
-        while self._next_bucket < until:
-            bucket = self.buckets[self._next_bucket]
-            if only_ready and not bucket.is_ready:
-                return
-            self._pending.extend(bucket.run_ops())
-            self._next_bucket += 1
-
+    # --- conveniences ---------------------------------------------------------------
     def wait_pending_comm_ops(self) -> None:
-        """After a backward, launch the buckets not launched yet (tensors that got no
-        gradient count as ready); then wait for all communication of this step."""
-        if self._post_backward_queued:
-            self._launch_buckets(until=len(self.buckets), only_ready=False)
-        for handle in self._pending:
-            handle.wait()
-        self._pending.clear()
-
-    def _reset_step_state(self) -> None:
-        self._pending = []
-        self._next_bucket = 0
-        for bucket in self.buckets:
-            bucket.reset_ready()
+        self._bagua_backend.wait_pending_comm_ops()
 
     @contextlib.contextmanager
     def no_sync(self):
         """Skip the algorithm's hooks (gradients accumulate locally), like DDP's no_sync."""
-        previous = self._sync_enabled
-        self._sync_enabled = False
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self._sync_enabled = previous
+            self.require_backward_grad_sync = previous
 
     # --- checkpointing ----------------------------------------------------------------
     def state_dict(self) -> dict:
+        """Step counter, the algorithm's state and every bucket's ``state`` (cloned)."""
         return {
-            "algorithm": type(self.bagua_algorithm).__name__,
+            "algorithm": type(self.algorithm).__name__,
             "bagua_train_step_counter": self.bagua_train_step_counter,
-            "algorithm_state": self.algorithm_impl.state_dict(),
+            "algorithm_state": self.bagua_algorithm.state_dict(),
+            "bucket_state": {b.name: _clone(b.state) for b in self.bagua_buckets},
         }
 
     def load_state_dict(self, state: dict) -> None:
-        expected = type(self.bagua_algorithm).__name__
+        expected = type(self.algorithm).__name__
         if state.get("algorithm") != expected:
             raise ValueError(
                 f"checkpoint holds state of algorithm {state.get('algorithm')!r}, this module runs {expected!r}"
             )
-        self.algorithm_impl.load_state_dict(state["algorithm_state"])
+        buckets = {b.name: b for b in self.bagua_buckets}
+        saved = state.get("bucket_state", {})
+        if set(saved) != set(buckets):
+            raise ValueError(f"checkpoint has buckets {sorted(saved)}, this module has {sorted(buckets)}")
+        self._bagua_backend.wait_pending_comm_ops()
+        self.bagua_algorithm.load_state_dict(state["algorithm_state"])
+        for name, bucket_state in saved.items():
+            _load_into(buckets[name].state, bucket_state, f"bucket {name!r}")
         self.bagua_train_step_counter = int(state["bagua_train_step_counter"])
-        self.module.bagua_train_step_counter = self.bagua_train_step_counter
+
+
+def _clone(value):
+    if torch.is_tensor(value):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    return value
+
+
+def _load_into(target: dict, saved: dict, where: str) -> None:
+    """Restore ``saved`` into ``target`` in place (tensors copied into existing ones)."""
+    for key, value in saved.items():
+        current = target.get(key)
+        if torch.is_tensor(current) and torch.is_tensor(value):
+            if current.shape != value.shape:
+                raise ValueError(f"{where}: state {key!r} has shape {tuple(value.shape)}, expected {tuple(current.shape)}")
+            current.copy_(value)
+        elif isinstance(current, dict) and isinstance(value, dict):
+            _load_into(current, value, f"{where}/{key}")
+        else:
+            target[key] = _clone(value)
 
 
 def sorted_state_params(optimizer: torch.optim.Optimizer) -> list:
@@ -265,6 +318,26 @@ def _check_algorithm(algorithm) -> Algorithm:
     return algorithm
 
 
+def _check_same_shapes(module: torch.nn.Module, process_group) -> None:
+    """Every rank must hold the same parameter and buffer shapes: compare a fingerprint
+    and name the first difference (instead of a size mismatch deep inside gloo)."""
+    entries = [(name, tuple(t.shape), str(t.dtype)) for name, t in itertools.chain(module.named_parameters(), module.named_buffers())]
+    gathered = comm.all_gather_object(entries, group=process_group)
+    reference = gathered[0]
+    for rank_index, theirs in enumerate(gathered):
+        if theirs == reference:
+            continue
+        for mine, other in itertools.zip_longest(reference, theirs):
+            if mine != other:
+                raise ValueError(
+                    f"the module differs across ranks: the group's first rank has {mine}, its rank "
+                    f"{rank_index} has {other} (name, shape, dtype); every rank must build the same model"
+                )
+
+
+_module_ids = itertools.count()
+
+
 def with_bagua(
     module: torch.nn.Module,
     optimizers,
@@ -272,15 +345,22 @@ def with_bagua(
     process_group=None,
     do_flatten: bool = True,
     bucket_size: int = DEFAULT_BUCKET_SIZE,
+    broadcast_buffers: bool | str = False,
 ) -> torch.nn.Module:
     """Train ``module`` with ``algorithm`` over ``process_group`` (all workers by default).
 
-    Parameters, buffers and optimizer state are broadcast from the group's first rank.
-    Returns ``module`` itself, which gains ``bagua_ddp``, ``bagua_algorithm``,
-    ``bagua_train_step_counter``, ``no_sync()``, ``bagua_state_dict()`` and
-    ``load_bagua_state_dict()``. Calling it again re-wraps the module with another
-    algorithm. Inputs are checked before the module is touched, so an error leaves it
-    as it was.
+    Parameters, buffers and optimizer state are broadcast from the group's first rank,
+    so load a checkpoint *after* wrapping (``module.load_state_dict`` and
+    ``load_bagua_state_dict``): loaded before, rank 0's copy replaces every rank's.
+    ``broadcast_buffers``: ``False`` (Bagua's behaviour, the default: buffers such as
+    batch-norm statistics stay local after the first broadcast), ``True`` (torch DDP's
+    default: rank 0's buffers are broadcast before every training forward) or
+    ``"first_step"``. Returns ``module`` itself, which gains ``bagua_ddp``,
+    ``bagua_algorithm`` (the AlgorithmImpl), ``bagua_module_name``,
+    ``bagua_train_step_counter``, ``bagua_buckets``, ``bagua_optimizers``,
+    ``no_sync()``, ``bagua_state_dict()`` and ``load_bagua_state_dict()``. Calling it
+    again re-wraps the module with another algorithm. Inputs are checked before the
+    module is touched, so an error leaves it as it was.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -294,31 +374,82 @@ def with_bagua(
     _check_devices(module)
     if not isinstance(do_flatten, bool):
         raise TypeError(f"do_flatten must be True or False, got {do_flatten!r}")
-    if not isinstance(bucket_size, int) or bucket_size <= 0:
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
         raise ValueError(f"bucket_size must be a positive number of bytes, got {bucket_size!r}")
-    if process_group is not None and comm.group_rank(process_group) < 0:
+    if broadcast_buffers not in BROADCAST_BUFFERS_CHOICES or isinstance(broadcast_buffers, int) and not isinstance(broadcast_buffers, bool):
+        raise ValueError(f"broadcast_buffers must be one of {list(BROADCAST_BUFFERS_CHOICES)}, got {broadcast_buffers!r}")
+    if process_group is None:
+        process_group = comm._get_default_group()
+    if comm.group_rank(process_group) < 0:
         raise ValueError(
             f"process_group does not contain this process (global rank {comm.get_rank()}); "
             f"its ranks are {comm.group_ranks(process_group)}"
         )
-    impl = algorithm.reify(process_group)
+    _check_same_shapes(module, process_group)
+    if module.__dict__.pop("_bagua_loaded_before_wrap", False) and comm.get_world_size(process_group) > 1:
+        warnings.warn(
+            "module.load_state_dict() ran before with_bagua(): with_bagua broadcasts the group's first "
+            "rank's parameters, so every rank now holds rank 0's; load checkpoints after with_bagua()",
+            stacklevel=2,
+        )
 
     previous = module.__dict__.get("bagua_ddp")
     if previous is not None:
         previous.detach()
-    ddp = BaguaDistributedDataParallel(module, optimizers, algorithm, impl, process_group, do_flatten, bucket_size)
+    if "_bagua_module_name" not in module.__dict__:
+        module._bagua_module_name = f"{type(module).__name__}_{next(_module_ids)}"
+    ddp = BaguaDistributedDataParallel(
+        module, optimizers, algorithm, process_group, module._bagua_module_name,
+        gradient_as_bucket_view=do_flatten, bucket_size=bucket_size, broadcast_buffers=broadcast_buffers,
+    )
     module.bagua_ddp = ddp
-    module.bagua_algorithm = algorithm
-    module.bagua_train_step_counter = ddp.bagua_train_step_counter
-    module.no_sync = ddp.no_sync
-    module.bagua_state_dict = ddp.state_dict
-    module.load_bagua_state_dict = ddp.load_state_dict
     return module
 
 
+# As Bagua does, every module gains ``with_bagua`` and Bagua's properties.
 def _module_with_bagua(self, optimizers, algorithm, process_group=None, do_flatten=True, **kwargs):
     return with_bagua(self, optimizers, algorithm, process_group=process_group, do_flatten=do_flatten, **kwargs)
 
 
-# As Bagua does, every module gains ``module.with_bagua(optimizers, algorithm)``.
+def _ddp_of(module) -> BaguaDistributedDataParallel:
+    ddp = module.__dict__.get("bagua_ddp")
+    if ddp is None:
+        raise AttributeError(f"{type(module).__name__} is not wrapped: call module.with_bagua(optimizers, algorithm) first")
+    return ddp
+
+
+def _forward_to_ddp(name: str, doc: str):
+    return property(lambda self: getattr(_ddp_of(self), name), doc=doc)
+
+
+def _bagua_train_step_counter(self):
+    return _ddp_of(self).bagua_train_step_counter
+
+
 torch.nn.Module.with_bagua = _module_with_bagua
+torch.nn.Module.bagua_module_name = property(
+    lambda self: self.__dict__.get("_bagua_module_name") or _ddp_of(self).bagua_module_name,
+    lambda self, name: self.__dict__.__setitem__("_bagua_module_name", name),
+    doc="The module's name, which tells modules' backends apart.")
+torch.nn.Module.bagua_algorithm = _forward_to_ddp("bagua_algorithm", "The AlgorithmImpl the module trains with.")
+torch.nn.Module.bagua_optimizers = _forward_to_ddp("bagua_optimizers", "The optimizers given to with_bagua.")
+torch.nn.Module.bagua_buckets = _forward_to_ddp("bagua_buckets", "The module's buckets, in order.")
+torch.nn.Module.bagua_train_step_counter = property(_bagua_train_step_counter, doc="Training forwards so far.")
+torch.nn.Module.no_sync = lambda self: _ddp_of(self).no_sync()
+torch.nn.Module.bagua_state_dict = lambda self: _ddp_of(self).state_dict()
+torch.nn.Module.load_bagua_state_dict = lambda self, state: _ddp_of(self).load_state_dict(state)
+
+
+_original_load_state_dict = torch.nn.Module.load_state_dict
+
+
+def _load_state_dict(self, state_dict, *args, **kwargs):
+    """``nn.Module.load_state_dict``, noting a load into a module not wrapped yet (with_bagua
+    then warns: its broadcast would replace what every rank but the first loaded)."""
+    result = _original_load_state_dict(self, state_dict, *args, **kwargs)
+    if "bagua_ddp" not in self.__dict__:
+        self.__dict__["_bagua_loaded_before_wrap"] = True
+    return result
+
+
+torch.nn.Module.load_state_dict = _load_state_dict

@@ -1,0 +1,220 @@
+"""Asynchronous model averaging, Bagua's ``async`` algorithm.
+
+Workers never wait for each other while training: a background thread averages the
+models every ``sync_interval_ms`` milliseconds, with its own process group (so its
+collectives never interleave with the training thread's), while forward, backward and
+optimizer steps go on. One background round (the bucket's asynchronous op) copies the
+weights s, averages the copies over all workers and moves each model by the change,
+x ← x + (mean_j s_j − s), so local steps taken during the round are kept. The weights
+are locked from each forward until the optimizer step, so a round never writes the
+model in the middle of a step.
+
+The first ``warmup_steps`` steps run synchronous gradient allreduce instead (the
+algorithm then rebuilds its buckets through ``need_reset``). ``abort(module)`` stops the
+background rounds (every worker stops after the same round, then the models are
+averaged once more, synchronously, so they end equal); ``resume(module)`` starts them
+again. Call ``abort`` before the end of training, on every worker.
+
+Example::
+
+    algorithm = AsyncModelAverageAlgorithm(sync_interval_ms=100)
+    model = model.with_bagua([optimizer], algorithm)
+    for x, y in loader:
+        ...                     # forward, backward, optimizer.step() as usual
+    model.bagua_algorithm.abort(model)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+from ..runtime import comm
+from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+from ..runtime.bucket import BaguaBucket
+
+__all__ = ["AsyncModelAverageAlgorithm", "AsyncModelAverageAlgorithmImpl"]
+
+
+class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
+    def __init__(self, process_group, peer_selection_mode: str = "all", sync_interval_ms: int = 500,
+                 warmup_steps: int = 0):
+        super().__init__(process_group)
+        self.peer_selection_mode = peer_selection_mode
+        self.sync_interval_ms = sync_interval_ms
+        self.warmup_steps = warmup_steps
+        self.step_id = 0  # need_reset() calls, i.e. training forwards
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="bagua-async")
+        self._future = None
+        self.rounds = 0
+        # The background thread's collectives go through a group of their own.
+        self.thread_group = comm.new_group(comm.group_ranks(process_group))
+
+    # Steps 1..warmup_steps allreduce gradients; the buckets are rebuilt for the
+    # asynchronous phase at the forward of step warmup_steps + 1 (as in Bagua).
+    @property
+    def _warmup_buckets(self) -> bool:
+        return self.step_id < self.warmup_steps
+
+    @property
+    def _warming_up(self) -> bool:
+        return self.step_id <= self.warmup_steps
+
+    def need_reset(self) -> bool:
+        self.step_id += 1
+        return self.warmup_steps > 0 and self.step_id == self.warmup_steps + 1
+
+    def init_tensors(self, bagua_ddp):
+        parameters = bagua_ddp.bagua_build_params()
+        if self._warmup_buckets:
+            return super().init_tensors(bagua_ddp)
+        self.tensors = [
+            param.ensure_bagua_tensor(name, bagua_ddp.bagua_module_name) for name, param in reversed(parameters)
+        ]
+        return self.tensors
+
+    def tensors_to_buckets(self, tensors, do_flatten):
+        if not do_flatten:
+            raise ValueError("AsyncModelAverageAlgorithm needs do_flatten=True (it averages one flat buffer)")
+        if self._warmup_buckets:
+            return super().tensors_to_buckets(tensors, do_flatten)
+        return [BaguaBucket([t for group in tensors for t in group], flatten=True, name="0")]
+
+    def init_operations(self, bagua_ddp, bucket):
+        bucket.clear_ops()
+        if self._warmup_buckets:
+            bucket.append_centralized_synchronous_op(average=True, group=self.process_group)
+        else:
+            bucket._async_op = bucket.append_asynchronous_model_average_op(
+                peer_selection_mode=self.peer_selection_mode, group=self.thread_group
+            )
+
+    # --- hooks ----------------------------------------------------------------------
+    def init_forward_pre_hook(self, bagua_ddp):
+        def hook(inputs):
+            if self._warming_up:
+                return
+            if self._future is None and self.sync_interval_ms > 0:
+                self._start(bagua_ddp)
+            self._lock(bagua_ddp)
+
+        return hook
+
+    def init_backward_hook(self, bagua_ddp):
+        def hook(name, parameter):
+            if self._warming_up:
+                parameter.bagua_mark_communication_ready()
+
+        return hook
+
+    def init_post_backward_hook(self, bagua_ddp):
+        def hook():
+            if self._warming_up:
+                bagua_ddp._bagua_backend.wait_pending_comm_ops()
+
+        return hook
+
+    def init_post_optimizer_step_hook(self, bagua_ddp):
+        def hook(optimizer):
+            if not self._warming_up:
+                self._unlock(bagua_ddp)
+
+        return hook
+
+    # --- the background loop ----------------------------------------------------------
+    def _ops(self, bagua_ddp):
+        return [bucket._async_op for bucket in bagua_ddp.bagua_buckets if hasattr(bucket, "_async_op")]
+
+    def _lock(self, bagua_ddp) -> None:
+        for op in self._ops(bagua_ddp):
+            op.lock_weight()
+
+    def _unlock(self, bagua_ddp) -> None:
+        for op in self._ops(bagua_ddp):
+            op.unlock_weight()
+
+    def _start(self, bagua_ddp) -> None:
+        for op in self._ops(bagua_ddp):
+            op.reset()
+        self._future = self._executor.submit(self._loop, bagua_ddp)
+
+    def _loop(self, bagua_ddp) -> None:
+        ops = self._ops(bagua_ddp)
+        while all(op.get_status() for op in ops):
+            for bucket in bagua_ddp.bagua_buckets:
+                for tensor in bucket.tensors:
+                    tensor.bagua_mark_communication_ready_without_synchronization()
+            bagua_ddp._bagua_backend.wait_pending_comm_ops()
+            self.rounds += 1
+            time.sleep(self.sync_interval_ms / 1000)
+
+    def abort(self, module) -> None:
+        """Stop the background rounds on every worker, then average the models once,
+        synchronously (collective: call it on every worker)."""
+        bagua_ddp = _bagua_ddp_of(module)
+        if self._future is None:
+            return
+        self._unlock(bagua_ddp)
+        comm.barrier(group=self.process_group)
+        for op in self._ops(bagua_ddp):
+            op.abort()
+        self._future.result()  # re-raises what the loop raised
+        self._future = None
+        for bucket in bagua_ddp.bagua_buckets:
+            flat = bucket.flat_view()
+            comm.allreduce_inplace(flat, comm.ReduceOp.AVG, group=self.process_group)
+            bucket.write_flat(flat)
+
+    def resume(self, module) -> None:
+        """Start the background rounds again after :meth:`abort` (on every worker)."""
+        bagua_ddp = _bagua_ddp_of(module)
+        if self._future is not None or self._warming_up:
+            return
+        comm.barrier(group=self.process_group)
+        self._start(bagua_ddp)
+
+    def state_dict(self) -> dict:
+        return {"step_id": self.step_id}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.step_id = int(state["step_id"])
+
+
+def _bagua_ddp_of(module):
+    bagua_ddp = module.__dict__.get("bagua_ddp") if hasattr(module, "__dict__") else None
+    if bagua_ddp is None and hasattr(module, "bagua_buckets") and hasattr(module, "_bagua_backend"):
+        bagua_ddp = module  # already the BaguaDistributedDataParallel
+    if bagua_ddp is None:
+        raise TypeError(f"abort()/resume() take the module given to with_bagua, got {type(module).__name__}")
+    return bagua_ddp
+
+
+class AsyncModelAverageAlgorithm(Algorithm):
+    """Bagua's asynchronous model averaging.
+
+    Args:
+        peer_selection_mode: ``"all"`` (every worker's model is averaged in each round).
+        sync_interval_ms: milliseconds between background rounds (0 disables them).
+        warmup_steps: synchronous gradient-allreduce steps before the asynchronous phase.
+    """
+
+    def __init__(self, peer_selection_mode: str = "all", sync_interval_ms: int = 500, warmup_steps: int = 0):
+        if peer_selection_mode != "all":
+            raise ValueError(f"peer_selection_mode must be 'all', got {peer_selection_mode!r}")
+        for name, value in (("sync_interval_ms", sync_interval_ms), ("warmup_steps", warmup_steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        self.peer_selection_mode = peer_selection_mode
+        self.sync_interval_ms = sync_interval_ms
+        self.warmup_steps = warmup_steps
+
+    def reify(self, process_group) -> AsyncModelAverageAlgorithmImpl:
+        return AsyncModelAverageAlgorithmImpl(
+            process_group, self.peer_selection_mode, self.sync_interval_ms, self.warmup_steps
+        )
+
+
+GlobalAlgorithmRegistry.register(
+    "async", AsyncModelAverageAlgorithm, "average the models in the background while training goes on"
+)

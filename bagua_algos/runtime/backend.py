@@ -1,0 +1,199 @@
+"""The per-module communication backend: readiness, bucket order, and one worker thread.
+
+Bagua's Rust backend keeps, for each module, the buckets in their registered order,
+learns which tensors are ready (``tensor.bagua_mark_communication_ready()``), and runs
+a ready bucket's ops, in the order they were appended, on a communication thread, so
+the training thread goes on with backward while earlier buckets communicate. This is
+the same design in Python:
+
+1. ``register_ordered_buckets(buckets)``: the order every rank schedules buckets in;
+2. ``mark_communication_ready(tensor)`` (training thread, or any thread): once bucket k
+   and every bucket before it are ready, they are handed to the worker in order, so
+   every rank issues its collectives in the same order whatever order gradients come;
+3. the worker runs each bucket's ops one after the other (an op may block on a
+   collective: only the worker waits, and a multi-stage op such as compress →
+   collective → decompress never blocks the training thread between its stages);
+4. ``wait_pending_comm_ops()``: hands over the buckets left of a round that has begun
+   (tensors that got no gradient count as ready, as in DDP with unused parameters),
+   waits until the worker has run everything, and re-raises the first error an op
+   raised, with the op's traceback.
+
+On CUDA the worker runs ops on its own stream: it waits for the events recorded when
+tensors were marked ready, and ``wait_pending_comm_ops`` makes the caller's stream wait
+for the communication stream.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .bucket import BaguaBucket
+
+__all__ = ["BaguaBackend", "CommOpError", "get_backend"]
+
+
+class CommOpError(RuntimeError):
+    """An op failed on the communication thread; the message holds its traceback."""
+
+
+class BaguaBackend:
+    """Bucket scheduling and the communication thread of one module."""
+
+    def __init__(self, module_name: str):
+        self.module_name = module_name
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._buckets: list["BaguaBucket"] = []
+        self._slot: dict[int, tuple[int, int]] = {}  # id(proxy tensor) → (bucket, tensor index)
+        self._ready: list[set[int]] = []
+        self._events: list[list] = []
+        self._next = 0  # first bucket of this round not handed to the worker yet
+        self._in_flight = 0
+        self._error: tuple[BaseException, str, str] | None = None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._streams: dict = {}
+        self._done_events: list = []
+
+    # --- set-up -------------------------------------------------------------------------
+    def register_ordered_buckets(self, buckets: list["BaguaBucket"]) -> None:
+        """Schedule ``buckets`` in this order from now on (pending ops finish first)."""
+        self.wait_pending_comm_ops()
+        slot = {}
+        for b, bucket in enumerate(buckets):
+            for t, tensor in enumerate(bucket.tensors):
+                key = id(tensor)
+                if key in slot:
+                    raise ValueError(
+                        f"Bagua tensor {tensor.bagua_tensor_name!r} is in two buckets "
+                        f"({buckets[slot[key][0]].name!r} and {bucket.name!r})"
+                    )
+                slot[key] = (b, t)
+        with self._lock:
+            self._buckets = list(buckets)
+            self._slot = slot
+            self._ready = [set() for _ in buckets]
+            self._events = [[] for _ in buckets]
+            self._next = 0
+
+    @property
+    def buckets(self) -> list["BaguaBucket"]:
+        return list(self._buckets)
+
+    # --- readiness ----------------------------------------------------------------------
+    def mark_communication_ready(self, tensor: torch.Tensor, event=None) -> None:
+        """Mark ``tensor`` (a Bagua tensor of one of the registered buckets) ready."""
+        with self._lock:
+            where = self._slot.get(id(tensor))
+            if where is None:
+                raise ValueError(
+                    f"Bagua tensor {getattr(tensor, 'bagua_tensor_name', '?')!r} is not in any bucket "
+                    f"registered with the backend of module {self.module_name!r}"
+                )
+            b, t = where
+            self._ready[b].add(t)
+            if event is not None:
+                self._events[b].append(event)
+            while self._next < len(self._buckets):
+                k = self._next
+                if len(self._ready[k]) < len(self._buckets[k].tensors):
+                    break
+                self._hand_over(k)
+
+    def _hand_over(self, k: int) -> None:
+        """Give bucket ``k`` to the worker (lock held) and advance the round."""
+        bucket = self._buckets[k]
+        events = self._events[k]
+        self._ready[k] = set()
+        self._events[k] = []
+        self._next = k + 1
+        if self._next == len(self._buckets):
+            self._next = 0  # the round is complete; the next one starts from bucket 0
+        bucket._before_ops()  # effective tensors back in the bucket's buffer (training thread)
+        self._in_flight += 1
+        self._start_worker()
+        self._jobs.put((bucket, events))
+
+    def _round_started(self) -> bool:
+        return self._next > 0 or any(self._ready[k] for k in range(len(self._buckets)))
+
+    # --- waiting ------------------------------------------------------------------------
+    def wait_pending_comm_ops(self) -> None:
+        """Hand over the rest of a round that has begun, wait for all ops, re-raise errors."""
+        with self._lock:
+            if self._buckets and self._round_started():
+                for k in range(self._next, len(self._buckets)):
+                    self._hand_over(k)
+            while self._in_flight:
+                self._idle.wait()
+            error, self._error = self._error, None
+            done_events, self._done_events = self._done_events, []
+        for device, event in done_events:
+            torch.cuda.current_stream(device).wait_event(event)
+        if error is not None:
+            exc, bucket_name, text = error
+            raise CommOpError(
+                f"an op of bucket {bucket_name!r} (module {self.module_name!r}) failed on the "
+                f"communication thread:\n{text}"
+            ) from exc
+
+    # --- the communication thread -------------------------------------------------------
+    def _start_worker(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(
+                target=self._work, name=f"bagua-comm-{self.module_name}", daemon=True
+            )
+            self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            bucket, events = self._jobs.get()
+            done = None
+            try:
+                if self._error is None:  # after a failure, later buckets are skipped
+                    done = self._run(bucket, events)
+            except BaseException as exc:  # noqa: BLE001 - every failure reaches the trainer
+                with self._lock:
+                    if self._error is None:
+                        self._error = (exc, bucket.name, traceback.format_exc())
+            with self._lock:
+                if done is not None:
+                    self._done_events.append(done)
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self._idle.notify_all()
+
+    def _run(self, bucket: "BaguaBucket", events):
+        device = bucket.device
+        if device.type != "cuda":
+            bucket._run_ops()
+            return None
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        for event in events:
+            stream.wait_event(event)
+        with torch.cuda.stream(stream):
+            bucket._run_ops()
+        done = torch.cuda.Event()
+        done.record(stream)
+        return device, done
+
+
+_backends: dict[str, BaguaBackend] = {}
+_backends_lock = threading.Lock()
+
+
+def get_backend(module_name: str) -> BaguaBackend:
+    """The backend of the module named ``module_name`` (created on first use)."""
+    with _backends_lock:
+        backend = _backends.get(module_name)
+        if backend is None:
+            backend = _backends[module_name] = BaguaBackend(module_name)
+        return backend

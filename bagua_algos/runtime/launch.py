@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import List, Optional, Sequence
 
@@ -196,18 +197,46 @@ def torchrun_argv(args: argparse.Namespace) -> List[str]:
     return argv
 
 
+def first_failure(failures) -> int:
+    """The global rank whose failure started the job's end, from ChildFailedError.failures.
+
+    torchrun's agent stops the other workers with SIGTERM as soon as it sees one fail
+    (and with SIGKILL 30 s later if they ignore it), then records every worker that
+    ended non-zero, each with the time in whole seconds at which it was recorded (or,
+    for a worker with an error file, the time the error was written). So the stopped
+    workers usually carry the same second as the worker that failed. The failure
+    chosen is
+
+    1. the earliest by timestamp;
+    2. on a tie, one not ended by SIGTERM (the agent's own stop signal) over one
+       that was;
+    3. then a worker killed by another signal (SIGKILL from the OOM killer, SIGSEGV,
+       SIGABRT: a cause) over one that exited with a code (often a consequence:
+       a collective failing because a peer died);
+    4. then the order in which the agent recorded them (the order of ``failures``).
+    """
+    if not failures:
+        raise ValueError("no failures to choose from")
+    sigterm = -int(signal.SIGTERM)
+    position = {rank: index for index, rank in enumerate(failures)}
+
+    def key(rank):
+        f = failures[rank]
+        return (f.timestamp, f.exitcode == sigterm, f.exitcode >= 0, position[rank])
+
+    return min(failures, key=key)
+
+
+def _how(f) -> str:
+    return f"was killed by signal {f.signal_name()}" if f.exitcode < 0 else f"exited with code {f.exitcode}"
+
+
 def _failure_summary(err) -> tuple[str, int]:
     """A one-line description of a ChildFailedError and the exit status to use."""
     failures = err.failures
-    # earliest failure first; on a tie prefer a real exit code over a signal
-    rank = min(failures, key=lambda r: (failures[r].timestamp, failures[r].exitcode < 0, r))
+    rank = first_failure(failures)
     f = failures[rank]
-    if f.exitcode < 0:
-        how = f"was killed by signal {f.signal_name()}"
-        status = 1
-    else:
-        how = f"exited with code {f.exitcode}"
-        status = f.exitcode if 0 < f.exitcode < 256 else 1
+    status = 1 if f.exitcode < 0 else (f.exitcode if 0 < f.exitcode < 256 else 1)
     others = []
     for r in sorted(failures):
         if r != rank:
@@ -215,7 +244,7 @@ def _failure_summary(err) -> tuple[str, int]:
             others.append(f"{r} ({failures[r].signal_name() if code < 0 else f'code {code}'})")
     tail = f"; other local ranks ended: {', '.join(others)}" if others else ""
     line = (f"{PROG}: job failed: worker rank {rank} (local_rank {f.local_rank}, "
-            f"pid {f.pid}) {how}; the node's workers were stopped{tail}")
+            f"pid {f.pid}) {_how(f)}; the node's workers were stopped{tail}")
     return line, status
 
 

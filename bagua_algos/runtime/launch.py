@@ -37,6 +37,12 @@ Bagua-only flags               accepted, ignored, one notice each on stderr
 
 In addition the agent's environment gets ``NODE_RANK`` (inherited by every
 worker), and ``MASTER_ADDR``/``MASTER_PORT``.
+
+Bagua scripts: unless ``--no_bagua_compat`` is given, and only when no real Bagua
+is importable, the directory of the compatibility package ``bagua``
+(:func:`bagua_algos.compat.compat_path`) is put first on the workers'
+``PYTHONPATH``, so that an unchanged script can ``import bagua.torch_api``.
+An installed Bagua is never shadowed.
 """
 
 from __future__ import annotations
@@ -109,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rdzv_timeout", type=int, default=None,
                         help="seconds an agent waits for the other nodes to join "
                         "(torchrun's static rendezvous default: 600)")
+    parser.add_argument("--no_bagua_compat", action="store_true",
+                        help="do not put the compatibility package 'bagua' on the "
+                        "workers' PYTHONPATH (by default it is put there when no real "
+                        "Bagua is installed, so that 'import bagua.torch_api' works)")
 
     bagua = parser.add_argument_group(
         "Bagua-only flags (accepted for compatibility and ignored)")
@@ -197,6 +207,30 @@ def torchrun_argv(args: argparse.Namespace) -> List[str]:
     return argv
 
 
+def bagua_compat_pythonpath(pythonpath: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """The workers' PYTHONPATH given the launcher's, and a notice line (or None).
+
+    When no real Bagua is importable here, the compatibility directory
+    (:func:`bagua_algos.compat.compat_path`) is put first (once: a PYTHONPATH that
+    already starts with it is kept). When a real Bagua is installed, ``pythonpath`` is
+    returned unchanged, with a notice saying where that Bagua is: it is never shadowed.
+    """
+    from bagua_algos import compat
+
+    real = compat.find_real_bagua()
+    if real is not None:
+        where = os.path.dirname(real.origin) if real.submodule_search_locations else real.origin
+        return pythonpath, (f"{PROG}: Bagua is installed ({where}); the workers import it, "
+                            "not bagua_algos' compatibility package")
+    path = compat.compat_path()
+    if not pythonpath:
+        return path, None
+    first = pythonpath.split(os.pathsep)[0]
+    if first and os.path.realpath(first) == os.path.realpath(path):
+        return pythonpath, None
+    return path + os.pathsep + pythonpath, None
+
+
 def first_failure(failures) -> int:
     """The global rank whose failure started the job's end, from ChildFailedError.failures.
 
@@ -266,6 +300,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     os.environ["NODE_RANK"] = str(args.node_rank)
     os.environ["MASTER_ADDR"] = args.master_addr
     os.environ["MASTER_PORT"] = str(args.master_port)
+    if not args.no_bagua_compat:
+        pythonpath, notice = bagua_compat_pythonpath(os.environ.get("PYTHONPATH"))
+        if notice:
+            print(notice, file=sys.stderr, flush=True)
+        if pythonpath is not None:
+            os.environ["PYTHONPATH"] = pythonpath
 
     if args.logdir is not None:
         print(f"{PROG}: worker logs go to {os.path.abspath(args.logdir)}/"

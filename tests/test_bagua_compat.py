@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from subprocesses import child_env, finish, start_python
+from subprocesses import finish, start_python
 
 from bagua_algos import compat
 from bagua_algos.runtime import launch
@@ -131,8 +131,8 @@ def probe(launch_workers_dir, free_port, tmp_path, env, *flags):
     return json.loads(out_file.read_text()), err
 
 
-def test_workers_import_the_compat_bagua(launch_workers_dir, free_port, tmp_path):
-    env = child_env()
+def test_workers_import_the_compat_bagua(launch_workers_dir, free_port, tmp_path, child_env):
+    env = child_env
     record, err = probe(launch_workers_dir, free_port, tmp_path, env)
     ours = compat.compat_path()
     assert record["PYTHONPATH"].split(os.pathsep)[0] == ours
@@ -141,8 +141,9 @@ def test_workers_import_the_compat_bagua(launch_workers_dir, free_port, tmp_path
     assert "Bagua is installed" not in err
 
 
-def test_workers_keep_a_real_bagua(launch_workers_dir, free_port, tmp_path, fake_real_bagua):
-    env = child_env(extra_path=[fake_real_bagua])
+def test_workers_keep_a_real_bagua(launch_workers_dir, free_port, tmp_path, fake_real_bagua, child_env):
+    env = child_env
+    env["PYTHONPATH"] += os.pathsep + str(fake_real_bagua)
     record, err = probe(launch_workers_dir, free_port, tmp_path, env)
     assert record["PYTHONPATH"] == env["PYTHONPATH"]
     assert compat.compat_path() not in record["PYTHONPATH"].split(os.pathsep)
@@ -151,8 +152,8 @@ def test_workers_keep_a_real_bagua(launch_workers_dir, free_port, tmp_path, fake
     assert f"bagua_algos.launch: Bagua is installed ({fake_real_bagua / 'bagua'})" in err
 
 
-def test_no_bagua_compat_flag(launch_workers_dir, free_port, tmp_path):
-    env = child_env()
+def test_no_bagua_compat_flag(launch_workers_dir, free_port, tmp_path, child_env):
+    env = child_env
     record, err = probe(launch_workers_dir, free_port, tmp_path, env, "--no_bagua_compat")
     assert record["PYTHONPATH"] == env["PYTHONPATH"]
     assert "error" in record and "bagua" in record["error"], record

@@ -40,11 +40,14 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "DEFAULT_MAX_ATTEMPTS",
     "DirichletPartitionError",
     "dirichlet_partition",
     "encode_labels",
     "equalize",
+    "partition_codes",
     "validate_alpha",
+    "validate_int",
 ]
 
 #: Default number of whole-group redraws before giving up.
@@ -82,7 +85,8 @@ def validate_alpha(alpha: Any, name: str = "alpha") -> float:
     return value
 
 
-def _validate_int(value: Any, name: str, minimum: int) -> int:
+def validate_int(value: Any, name: str, minimum: int) -> int:
+    """Return ``value`` as an int after checking it is an integer >= ``minimum`` (bool excluded)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an integer >= {minimum}, got {value!r}")
     value = int(value)
@@ -215,7 +219,7 @@ def _split_group(
     )
 
 
-def _partition_codes(
+def partition_codes(
     codes: np.ndarray,
     num_classes: int,
     num_workers: int,
@@ -224,7 +228,14 @@ def _partition_codes(
     group_size: int,
     max_attempts: int,
 ) -> list[np.ndarray]:
-    """Core of :func:`dirichlet_partition` on already encoded, validated input."""
+    """:func:`dirichlet_partition` on labels already encoded and arguments already checked.
+
+    ``codes`` are class codes ``0 .. num_classes-1`` as :func:`encode_labels` returns
+    them, and the other arguments must already have passed :func:`validate_alpha` /
+    :func:`validate_int` (with ``1 <= num_workers <= len(codes)``); nothing is checked
+    again here. For callers (such as the sampler) that encode the labels themselves
+    and keep the codes.
+    """
     n = len(codes)
     rng = np.random.default_rng(seed)
     order = rng.permutation(n)  # shuffled sample indices
@@ -283,10 +294,10 @@ def dirichlet_partition(
         grouped by class code, each class chunk in shuffled order.
     """
     alpha = validate_alpha(alpha)
-    num_workers = _validate_int(num_workers, "num_workers", 1)
-    group_size = _validate_int(group_size, "group_size", 1)
-    max_attempts = _validate_int(max_attempts, "max_attempts", 1)
-    seed = _validate_int(seed, "seed", 0)
+    num_workers = validate_int(num_workers, "num_workers", 1)
+    group_size = validate_int(group_size, "group_size", 1)
+    max_attempts = validate_int(max_attempts, "max_attempts", 1)
+    seed = validate_int(seed, "seed", 0)
     codes, classes = encode_labels(labels)
     if len(codes) < num_workers:
         raise ValueError(
@@ -294,7 +305,7 @@ def dirichlet_partition(
             f"({len(codes)} labels); every worker needs at least one sample, so "
             f"use at most {len(codes)} workers or a larger data set"
         )
-    return _partition_codes(
+    return partition_codes(
         codes, len(classes), num_workers, alpha, seed, group_size, max_attempts
     )
 
@@ -318,7 +329,7 @@ def equalize(
     * ``drop_last=True``: every share has ``floor(N / num_replicas)`` indices;
       the last ``N mod num_replicas`` indices of the sequence are dropped.
     """
-    num_replicas = _validate_int(num_replicas, "num_replicas", 1)
+    num_replicas = validate_int(num_replicas, "num_replicas", 1)
     arrays = [np.asarray(p, dtype=np.int64).reshape(-1) for p in partitions]
     sequence = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
     n = len(sequence)

@@ -8,40 +8,44 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from .dirichlet import (
     DEFAULT_MAX_ATTEMPTS,
-    _partition_codes,
-    _validate_int,
     encode_labels,
     equalize,
+    partition_codes,
     validate_alpha,
+    validate_int,
 )
 
 __all__ = ["DistributedHeterogeneousSampler"]
 
 
 def _default_from_process_group(num_replicas, rank):
-    """Fill in ``num_replicas``/``rank`` from the project's process group."""
+    """Fill in ``num_replicas``/``rank`` from torch.distributed's default process group.
+
+    As :class:`torch.utils.data.distributed.DistributedSampler` does; the sampler
+    depends on torch.distributed only (any launcher or wrapper that initializes the
+    default group, bagua_algos' included, works).
+    """
     hint = (
         "DistributedHeterogeneousSampler: num_replicas and rank default to the "
-        "world size and rank of the process group, but {why}. Pass num_replicas= "
-        "and rank= explicitly, or initialize the process group first "
-        "(bagua_algos.runtime.comm.init_process_group)."
+        "world size and rank of the default process group, but {why}. Pass "
+        "num_replicas= and rank= explicitly, or initialize the process group first "
+        "(torch.distributed.init_process_group, or bagua_algos.init_process_group)."
     )
-    try:
-        from bagua_algos.runtime import comm
-    except ImportError as exc:
+    if not dist.is_available():
         raise RuntimeError(
-            hint.format(why=f"bagua_algos.runtime.comm could not be imported ({exc})")
-        ) from exc
-    if not comm.is_initialized():
+            hint.format(why="torch.distributed is not available in this build of torch")
+        )
+    if not dist.is_initialized():
         raise RuntimeError(hint.format(why="the process group is not initialized"))
     if num_replicas is None:
-        num_replicas = comm.get_world_size()
+        num_replicas = dist.get_world_size()
     if rank is None:
-        rank = comm.get_rank()
+        rank = dist.get_rank()
     return num_replicas, rank
 
 
@@ -149,7 +153,7 @@ class DistributedHeterogeneousSampler(Sampler[int]):
     ) -> None:
         super().__init__()
         self.alpha = validate_alpha(alpha)
-        self.seed = _validate_int(seed, "seed", 0)
+        self.seed = validate_int(seed, "seed", 0)
 
         if num_replicas is None or rank is None:
             num_replicas, rank = _default_from_process_group(num_replicas, rank)
@@ -186,7 +190,7 @@ class DistributedHeterogeneousSampler(Sampler[int]):
                 f"every worker needs at least one sample"
             )
 
-        partitions = _partition_codes(
+        partitions = partition_codes(
             codes,
             len(self.classes),
             self.num_replicas,
@@ -224,7 +228,7 @@ class DistributedHeterogeneousSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch; with ``shuffle=True`` this reseeds the order of the share."""
-        self.epoch = _validate_int(epoch, "epoch", 0)
+        self.epoch = validate_int(epoch, "epoch", 0)
 
     def __iter__(self) -> Iterator[int]:
         share = self._shares[self.rank]

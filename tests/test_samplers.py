@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
-import types
 
 import numpy as np
 import pytest
@@ -459,15 +457,13 @@ def test_defaults_without_process_group_raise():
         assert "not initialized" in str(info.value)
 
 
-def test_defaults_come_from_the_comm_module(monkeypatch):
-    import bagua_algos.runtime as runtime
+def test_defaults_come_from_torch_distributed(monkeypatch):
+    import torch.distributed as dist
 
-    fake = types.ModuleType("bagua_algos.runtime.comm")
-    fake.is_initialized = lambda: True
-    fake.get_world_size = lambda: 4
-    fake.get_rank = lambda: 3
-    monkeypatch.setitem(sys.modules, "bagua_algos.runtime.comm", fake)
-    monkeypatch.setattr(runtime, "comm", fake, raising=False)
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 3)
     s = DistributedHeterogeneousSampler(range(40), labels=[0, 1] * 20)
     assert (s.num_replicas, s.rank) == (4, 3)
     s = DistributedHeterogeneousSampler(range(40), rank=1, labels=[0, 1] * 20)

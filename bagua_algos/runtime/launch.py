@@ -37,12 +37,19 @@ Bagua-only flags               accepted, ignored, one notice each on stderr
 
 In addition the agent's environment gets ``NODE_RANK`` (inherited by every
 worker), and ``MASTER_ADDR``/``MASTER_PORT``.
+
+Bagua scripts: unless ``--no_bagua_compat`` is given, and only when no real Bagua
+is importable, the directory of the compatibility package ``bagua``
+(:func:`bagua_algos.compat.compat_path`) is put first on the workers'
+``PYTHONPATH``, so that an unchanged script can ``import bagua.torch_api``.
+An installed Bagua is never shadowed.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import List, Optional, Sequence
 
@@ -108,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rdzv_timeout", type=int, default=None,
                         help="seconds an agent waits for the other nodes to join "
                         "(torchrun's static rendezvous default: 600)")
+    parser.add_argument("--no_bagua_compat", action="store_true",
+                        help="do not put the compatibility package 'bagua' on the "
+                        "workers' PYTHONPATH (by default it is put there when no real "
+                        "Bagua is installed, so that 'import bagua.torch_api' works)")
 
     bagua = parser.add_argument_group(
         "Bagua-only flags (accepted for compatibility and ignored)")
@@ -196,18 +207,70 @@ def torchrun_argv(args: argparse.Namespace) -> List[str]:
     return argv
 
 
+def bagua_compat_pythonpath(pythonpath: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """The workers' PYTHONPATH given the launcher's, and a notice line (or None).
+
+    When no real Bagua is importable here, the compatibility directory
+    (:func:`bagua_algos.compat.compat_path`) is put first (once: a PYTHONPATH that
+    already starts with it is kept). When a real Bagua is installed, ``pythonpath`` is
+    returned unchanged, with a notice saying where that Bagua is: it is never shadowed.
+    """
+    from bagua_algos import compat
+
+    real = compat.find_real_bagua()
+    if real is not None:
+        where = os.path.dirname(real.origin) if real.submodule_search_locations else real.origin
+        return pythonpath, (f"{PROG}: Bagua is installed ({where}); the workers import it, "
+                            "not bagua_algos' compatibility package")
+    path = compat.compat_path()
+    if not pythonpath:
+        return path, None
+    first = pythonpath.split(os.pathsep)[0]
+    if first and os.path.realpath(first) == os.path.realpath(path):
+        return pythonpath, None
+    return path + os.pathsep + pythonpath, None
+
+
+def first_failure(failures) -> int:
+    """The global rank whose failure started the job's end, from ChildFailedError.failures.
+
+    torchrun's agent stops the other workers with SIGTERM as soon as it sees one fail
+    (and with SIGKILL 30 s later if they ignore it), then records every worker that
+    ended non-zero, each with the time in whole seconds at which it was recorded (or,
+    for a worker with an error file, the time the error was written). So the stopped
+    workers usually carry the same second as the worker that failed. The failure
+    chosen is
+
+    1. the earliest by timestamp;
+    2. on a tie, one not ended by SIGTERM (the agent's own stop signal) over one
+       that was;
+    3. then a worker killed by another signal (SIGKILL from the OOM killer, SIGSEGV,
+       SIGABRT: a cause) over one that exited with a code (often a consequence:
+       a collective failing because a peer died);
+    4. then the order in which the agent recorded them (the order of ``failures``).
+    """
+    if not failures:
+        raise ValueError("no failures to choose from")
+    sigterm = -int(signal.SIGTERM)
+    position = {rank: index for index, rank in enumerate(failures)}
+
+    def key(rank):
+        f = failures[rank]
+        return (f.timestamp, f.exitcode == sigterm, f.exitcode >= 0, position[rank])
+
+    return min(failures, key=key)
+
+
+def _how(f) -> str:
+    return f"was killed by signal {f.signal_name()}" if f.exitcode < 0 else f"exited with code {f.exitcode}"
+
+
 def _failure_summary(err) -> tuple[str, int]:
     """A one-line description of a ChildFailedError and the exit status to use."""
     failures = err.failures
-    # earliest failure first; on a tie prefer a real exit code over a signal
-    rank = min(failures, key=lambda r: (failures[r].timestamp, failures[r].exitcode < 0, r))
+    rank = first_failure(failures)
     f = failures[rank]
-    if f.exitcode < 0:
-        how = f"was killed by signal {f.signal_name()}"
-        status = 1
-    else:
-        how = f"exited with code {f.exitcode}"
-        status = f.exitcode if 0 < f.exitcode < 256 else 1
+    status = 1 if f.exitcode < 0 else (f.exitcode if 0 < f.exitcode < 256 else 1)
     others = []
     for r in sorted(failures):
         if r != rank:
@@ -215,7 +278,7 @@ def _failure_summary(err) -> tuple[str, int]:
             others.append(f"{r} ({failures[r].signal_name() if code < 0 else f'code {code}'})")
     tail = f"; other local ranks ended: {', '.join(others)}" if others else ""
     line = (f"{PROG}: job failed: worker rank {rank} (local_rank {f.local_rank}, "
-            f"pid {f.pid}) {how}; the node's workers were stopped{tail}")
+            f"pid {f.pid}) {_how(f)}; the node's workers were stopped{tail}")
     return line, status
 
 
@@ -237,6 +300,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     os.environ["NODE_RANK"] = str(args.node_rank)
     os.environ["MASTER_ADDR"] = args.master_addr
     os.environ["MASTER_PORT"] = str(args.master_port)
+    if not args.no_bagua_compat:
+        pythonpath, notice = bagua_compat_pythonpath(os.environ.get("PYTHONPATH"))
+        if notice:
+            print(notice, file=sys.stderr, flush=True)
+        if pythonpath is not None:
+            os.environ["PYTHONPATH"] = pythonpath
 
     if args.logdir is not None:
         print(f"{PROG}: worker logs go to {os.path.abspath(args.logdir)}/"

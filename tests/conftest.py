@@ -1,0 +1,68 @@
+"""Shared test set-up: the import path, and fixtures for tests that start child processes.
+
+* ``tests/`` goes on ``sys.path`` (for the helper modules ``subprocesses`` and
+  ``gloo_workers``), and so does the repository root, ahead of any installed copy of
+  the project, so that ``pytest`` run as a plain command tests this checkout too.
+  Under ``python -m pytest`` from the root both are usually there already.
+* Fixtures: ``repo_root``, ``tests_dir``, ``launch_workers_dir``, ``free_port`` (a
+  port free right now on 127.0.0.1) and ``child_env`` (the environment for a child
+  process: no launcher variables, one thread, this checkout first on PYTHONPATH; see
+  :func:`subprocesses.child_env`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+
+
+def _on_sys_path(directory: Path) -> bool:
+    for entry in sys.path:
+        try:
+            if Path(os.path.realpath(entry or os.curdir)) == directory:
+                return True
+        except (TypeError, ValueError):
+            continue
+    return False
+
+
+for _directory in (TESTS, REPO):  # REPO ends up first
+    if not _on_sys_path(_directory):
+        sys.path.insert(0, str(_directory))
+
+import subprocesses  # noqa: E402  (needs the path above)
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    """The root of this checkout (where setup.py is)."""
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def tests_dir() -> Path:
+    return TESTS
+
+
+@pytest.fixture(scope="session")
+def launch_workers_dir() -> Path:
+    """tests/launch_workers: the scripts run under ``python -m bagua_algos.launch``."""
+    return TESTS / "launch_workers"
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago (for --master_port)."""
+    return subprocesses.free_port()
+
+
+@pytest.fixture
+def child_env() -> dict:
+    """A fresh environment for a child process (a test may change it)."""
+    return subprocesses.child_env()

@@ -1,0 +1,114 @@
+"""setup.py installs exactly the packages of this checkout, compat subpackages included."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import setuptools
+
+
+@pytest.fixture(scope="module")
+def setup_py(repo_root):
+    """(keyword arguments setup.py passes to setuptools.setup, setup.py's globals);
+    nothing is built."""
+    captured, namespace = {}, {"__name__": "__main__"}
+    original, cwd = setuptools.setup, os.getcwd()
+    setuptools.setup = lambda **kwargs: captured.update(kwargs)
+    try:
+        os.chdir(repo_root)  # find_packages() looks under the working directory
+        source = (repo_root / "setup.py").read_text()
+        exec(compile(source, str(repo_root / "setup.py"), "exec"), namespace)
+    finally:
+        setuptools.setup = original
+        os.chdir(cwd)
+    return captured, namespace
+
+
+@pytest.fixture(scope="module")
+def setup_kwargs(setup_py):
+    return setup_py[0]
+
+
+def package_dirs(repo_root, roots):
+    """Dotted names of every directory under ``roots`` that holds Python code, and
+    whether it has an ``__init__.py``."""
+    found = {}
+    for root in roots:
+        for directory, subdirs, files in os.walk(repo_root / root):
+            subdirs[:] = [d for d in subdirs if d != "__pycache__" and not d.startswith(".")]
+            if any(f.endswith(".py") for f in files):
+                name = ".".join(Path(directory).relative_to(repo_root).parts)
+                found[name] = "__init__.py" in files
+    return found
+
+
+ROOTS = ["bagua_algos", "topologies", "samplers"]
+
+
+def test_packages_are_every_package_directory(setup_kwargs, repo_root):
+    dirs = package_dirs(repo_root, ROOTS)
+    assert all(dirs.values()), f"code directories without __init__.py: {[d for d, ok in dirs.items() if not ok]}"
+    assert sorted(setup_kwargs["packages"]) == sorted(dirs)
+    assert {"bagua_algos.compat", "bagua_algos.compat.bagua"} <= set(setup_kwargs["packages"])
+    assert not any(p.split(".")[0] in ("tests", "benchmarks") for p in setup_kwargs["packages"])
+
+
+def test_include_patterns_name_existing_packages(setup_py, repo_root):
+    namespace = setup_py[1]
+    for root in namespace["PACKAGE_ROOTS"]:
+        assert (repo_root / root / "__init__.py").is_file(), root
+    assert sorted(namespace["PACKAGE_ROOTS"]) == sorted(ROOTS)
+
+
+def test_non_python_files_in_packages_are_package_data(setup_kwargs, repo_root):
+    package_data = setup_kwargs.get("package_data", {})
+    missing = []
+    for package in setup_kwargs["packages"]:
+        directory = repo_root.joinpath(*package.split("."))
+        patterns = package_data.get(package, []) + package_data.get("", [])
+        for entry in directory.iterdir():
+            if entry.is_file() and entry.suffix not in (".py", ".pyc"):
+                if not any(fnmatch.fnmatch(entry.name, p) for p in patterns):
+                    missing.append(str(entry.relative_to(repo_root)))
+    assert not missing, f"not in package_data, so not installed: {missing}"
+
+
+def test_wheel_contains_the_compat_package(repo_root, tmp_path):
+    """Build a wheel offline from a copy of the sources (the checkout stays clean)."""
+    pytest.importorskip("pip")
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(repo_root / name, source / name)
+    for root in ROOTS:
+        shutil.copytree(repo_root / root, source / root,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+         "-q", "-w", str(tmp_path / "dist"), str(source)],
+        capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for path in ("bagua_algos/compat/__init__.py", "bagua_algos/compat/bagua/__init__.py",
+                 "bagua_algos/runtime/launch.py", "topologies/trees.py", "samplers/dirichlet.py"):
+        assert path in names, path
+
+
+def test_tests_import_this_checkout(repo_root, tests_dir):
+    """conftest.py puts the checkout ahead of any installed (e.g. editable) copy."""
+    import bagua_algos
+    import samplers
+    import subprocesses
+    import topologies
+
+    for module in (bagua_algos, samplers, topologies):
+        assert Path(module.__file__).resolve().is_relative_to(repo_root), module.__file__
+    assert Path(subprocesses.__file__).resolve().parent == tests_dir

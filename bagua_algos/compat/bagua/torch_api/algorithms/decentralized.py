@@ -1,0 +1,4 @@
+"""``bagua.torch_api.algorithms.decentralized``."""
+
+from bagua_algos.algorithms.decentralized import DecentralizedAlgorithm, DecentralizedAlgorithmImpl  # noqa: F401
+from bagua_algos.algorithms.unavailable import LowPrecisionDecentralizedAlgorithm  # noqa: F401

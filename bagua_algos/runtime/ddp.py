@@ -57,12 +57,13 @@ class BaguaDistributedDataParallel:
         gradient_as_bucket_view: bool = True,
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         broadcast_buffers: bool | str = False,
+        impl: AlgorithmImpl | None = None,
     ):
         self.module = module
         self.bagua_module_name = bagua_module_name
         self.bagua_optimizers = optimizers
         self.process_group = process_group
-        self.bagua_algorithm: AlgorithmImpl = algorithm.reify(process_group)
+        self.bagua_algorithm: AlgorithmImpl = impl if impl is not None else algorithm.reify(process_group)
         self.algorithm = algorithm
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.bucket_size = bucket_size
@@ -393,6 +394,14 @@ def with_bagua(
             stacklevel=2,
         )
 
+    impl = algorithm.reify(process_group)
+    steps_with_optimizer = type(impl).init_post_optimizer_step_hook is not AlgorithmImpl.init_post_optimizer_step_hook
+    if steps_with_optimizer and not optimizers:
+        raise ValueError(
+            f"{type(algorithm).__name__} communicates after optimizer.step(): pass the module's "
+            "optimizers to with_bagua(optimizers, algorithm); with none it would train without any averaging"
+        )
+
     previous = module.__dict__.get("bagua_ddp")
     if previous is not None:
         previous.detach()
@@ -401,6 +410,7 @@ def with_bagua(
     ddp = BaguaDistributedDataParallel(
         module, optimizers, algorithm, process_group, module._bagua_module_name,
         gradient_as_bucket_view=do_flatten, bucket_size=bucket_size, broadcast_buffers=broadcast_buffers,
+        impl=impl,
     )
     module.bagua_ddp = ddp
     return module

@@ -1,6 +1,7 @@
 """Bagua 0.9's communication API on torch.distributed (gloo): every collective checked
 against a direct computation, over the whole job, new_group subgroups, torch groups and
-node communicators; rank conventions; bad input; timeouts.
+node communicators; rank conventions; bad input; timeouts; asynchronous two-level
+allreduce.
 
 Each spawn of 4 workers costs seconds, so one spawn runs many checks and returns the
 results; the expectations are computed here, in the test process, from the same
@@ -230,6 +231,7 @@ def _collectives_worker(rank, n):
         comm.broadcast(torch.ones(2), 99, sub),  # not checked on a non-member, as in Bagua
     ) if rank == 0 else None
     out["errors"] = _bad_input(rank, sub)
+    out["hierarchical"] = _hierarchical_async(rank, n)
     return out
 
 
@@ -278,6 +280,36 @@ def _bad_input(rank, sub) -> dict:
         except (ValueError, TypeError) as exc:
             errors[key] = f"{type(exc).__name__}: {exc}"
     return errors
+
+
+def _hierarchical_async(rank, n) -> dict:
+    """Several two-level allreduces in flight at once while rank 3 is late."""
+    out = {}
+    warm = torch.full((3,), float(rank))
+    comm.hierarchical_allreduce_inplace(warm, comm.ReduceOp.SUM)  # creates the groups
+    out["warm"] = warm
+    comm.barrier()
+    if rank == 3:
+        time.sleep(1.5)
+    tensors = [inp(f"hier/{k}", rank, 1000 + k, torch.float64) for k in range(3)]
+    started = time.monotonic()
+    handles = [comm.hierarchical_allreduce_inplace(t, op, async_op=True)
+               for t, op in zip(tensors, [comm.ReduceOp.SUM, comm.ReduceOp.AVG, comm.ReduceOp.SUM])]
+    out["return_s"] = time.monotonic() - started
+    out["completed_at_return"] = [h.is_completed() for h in handles]
+    # Meanwhile the caller's thread uses the public node groups.
+    side = torch.full((2,), float(rank + 1))
+    comm.allreduce_inplace(side, comm.ReduceOp.SUM, group=comm.inter_node_group())
+    out["side"] = side
+    for h in handles:
+        h.wait()
+    out["wait_s"] = time.monotonic() - started
+    out["tensors"] = tensors
+    out["done"] = [h.done for h in handles]
+    t = inp("hier/sync", rank, 7, torch.float64)
+    assert comm.hierarchical_allreduce_inplace(t, comm.ReduceOp.AVG) is None
+    out["sync"] = t
+    return out
 
 
 def _reduce(name, tensors):
@@ -473,6 +505,25 @@ def test_bad_input_is_a_clear_value_error(four_workers):
             assert errors[key] is not None, f"{key} was accepted on rank {rank}"
             assert text in errors[key], f"{key} on rank {rank}: {errors[key]}"
             assert errors[key].startswith("TypeError" if text.startswith("TypeError") else "ValueError"), errors[key]
+
+
+def test_hierarchical_allreduce_is_asynchronous_and_right(four_workers):
+    def total(name, size):
+        return sum(inp(name, r, size, torch.float64) for r in range(N))
+
+    for rank, result in enumerate(four_workers):
+        h = result["hierarchical"]
+        torch.testing.assert_close(h["warm"], torch.full((3,), 6.0, dtype=torch.float64).float())
+        # Rank 3 is 1.5 s late: the others' calls return at once, before completion.
+        if rank != 3:
+            assert h["return_s"] < 0.75, h["return_s"]
+            assert h["completed_at_return"] == [False] * 3
+            assert h["wait_s"] > 1.0
+        assert h["done"] == [True] * 3
+        for k, (t, scale) in enumerate(zip(h["tensors"], [1, N, 1])):
+            torch.testing.assert_close(t, total(f"hier/{k}", 1000 + k) / scale)
+        torch.testing.assert_close(h["side"], torch.full((2,), float((rank % 2 + 1) + (rank % 2 + 3))))
+        torch.testing.assert_close(h["sync"], total("hier/sync", 7) / N)
 
 
 # ---------------------------------------------------------------- environment, init

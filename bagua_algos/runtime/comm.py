@@ -55,6 +55,8 @@ from __future__ import annotations
 
 import enum
 import os
+import queue
+import threading
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
@@ -1119,8 +1121,82 @@ def recv(tensor: torch.Tensor, src: int, comm=None, *, group=None, async_op: boo
 # -------------------------------------------------------------- two-level allreduce
 
 
+class _Job:
+    """A function run on the helper thread; ``wait()`` re-raises its exception."""
+
+    def __init__(self, fn):
+        self._fn = fn
+        self._event = threading.Event()
+        self._error = None
+
+    def run(self) -> None:
+        try:
+            self._fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to wait()
+            self._error = exc
+        finally:
+            self._event.set()
+
+    def wait(self) -> None:
+        self._event.wait()
+        if self._error is not None:
+            raise self._error
+
+    def is_completed(self) -> bool:
+        return self._event.is_set()
+
+
+_helper = {"thread": None, "queue": None, "lock": threading.Lock()}
+
+
+def _submit(fn) -> _Job:
+    """Run ``fn`` on the helper thread, after every job submitted before it."""
+    job = _Job(fn)
+    with _helper["lock"]:
+        if _helper["thread"] is None:
+            q = queue.SimpleQueue()
+
+            def loop():
+                while True:
+                    item = q.get()
+                    if item is None:
+                        return
+                    item.run()
+
+            thread = threading.Thread(target=loop, name="bagua-algos-comm", daemon=True)
+            thread.start()
+            _helper.update(thread=thread, queue=q)
+        _helper["queue"].put(job)
+    return job
+
+
 def _stop_helper() -> None:
-    pass
+    with _helper["lock"]:
+        thread, q = _helper["thread"], _helper["queue"]
+        _helper.update(thread=None, queue=None)
+    if thread is not None:
+        q.put(None)
+        timeout = _state["timeout"] or DEFAULT_TIMEOUT
+        thread.join(timeout.total_seconds() + 5)
+
+
+def _hierarchical_groups() -> dict:
+    """The default group's node communicators and, for the helper thread alone, a
+    private copy of the inter-node groups (created collectively on first use)."""
+    default = _get_default_group()
+    node = default._node_groups()
+    if "private_inter" not in node:
+        local, me = get_local_size(), get_rank()
+        if local == 1 or local == get_world_size():
+            # One level is trivial; the other is posted from the caller's thread only.
+            node["private_inter"] = node["by_local_rank"][me % local]
+        else:
+            for lr in range(local):
+                g = _new_torch_group(range(lr, get_world_size(), local))
+                if lr == me % local:
+                    node["private_inter"] = BaguaCommunicator(g, range(lr, get_world_size(), local),
+                                                              f"default/hierarchical-inter{lr}")
+    return node
 
 
 def hierarchical_allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False):
@@ -1128,17 +1204,36 @@ def hierarchical_allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp
     between processes of equal local rank (each then holds the global result).
 
     Only SUM and AVG (a sum divided by the world size) are two-level reductions here.
+    With ``async_op=True`` it returns at once: the intra-node allreduce is posted here
+    and, on gloo, a helper thread posts the inter-node one (on groups of its own, in
+    submission order) when the first completes; on NCCL both are posted here, ordered
+    by CUDA streams.
     """
     _require_init("hierarchical_allreduce_inplace()")
     _check_tensor("tensor", tensor)
     op = _reduce_op(op, tensor)
     if op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise ValueError(f"hierarchical allreduce supports ReduceOp.SUM and ReduceOp.AVG, got ReduceOp.{op.name}")
-    allreduce_inplace(tensor, ReduceOp.SUM, group=intra_node_group())
-    allreduce_inplace(tensor, ReduceOp.SUM, group=inter_node_group())
-    if op == ReduceOp.AVG:
-        _divider(tensor, get_world_size())()
-    return _finish(CommHandle(), async_op)
+    node = _hierarchical_groups()
+    intra, inter = node["intra"], node["private_inter"]
+    finishers = [_divider(tensor, get_world_size())] if op == ReduceOp.AVG else []
+    if intra.nranks() == 1 or inter.nranks() == 1:
+        level = inter if intra.nranks() == 1 else intra
+        works = [None if level.nranks() == 1 else
+                 dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=level.torch_group, async_op=True)]
+    elif intra.backend() == "nccl":
+        first = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=intra.torch_group, async_op=True)
+        first.wait()  # orders the CUDA streams; the CPU does not block
+        works = [dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=inter.torch_group, async_op=True)]
+    else:
+        first = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=intra.torch_group, async_op=True)
+
+        def second():
+            first.wait()
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=inter.torch_group, async_op=True).wait()
+
+        works = [_submit(second)]
+    return _finish(CommHandle(works, finishers), async_op)
 
 
 # ----------------------------------------------------------------- neighbour exchange

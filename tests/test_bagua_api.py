@@ -53,6 +53,7 @@ def _bagua_idiom(rank, n):
     for key, algorithm, kwargs in [
         ("idiom_sum_scale", bagua_idiom.SumThenScaleAlgorithm(), {"bucket_size": 10}),
         ("own_allreduce", GradientAllReduceAlgorithm(), {"bucket_size": 10}),
+        ("idiom_scatter_gather", bagua_idiom.ScatterGatherAlgorithm(), {"bucket_size": 10}),
         ("idiom_gossip", bagua_idiom.GossipAllAlgorithm(), {}),
         ("own_gossip", DecentralizedAlgorithm(hierarchical=False, peer_selection_mode="all"), {}),
     ]:
@@ -85,6 +86,7 @@ def test_bagua_style_allreduce_trains_exactly_like_gradient_allreduce(idiom_resu
         assert out["buckets"] > 1 and out["aligned"] and out["padded"] and out["flat"]
         assert out["bytes"] == sum(p.numel() * 4 for p in small_model().parameters())
         assert torch.equal(out["idiom_sum_scale"], out["own_allreduce"])
+        assert torch.equal(out["idiom_scatter_gather"], out["own_allreduce"])
     assert torch.equal(idiom_results[0]["own_allreduce"], idiom_results[1]["own_allreduce"])
 
 

@@ -878,23 +878,30 @@ def gather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, comm=
     return _finish(CommHandle([work]), async_op)
 
 
+def _rooted_inplace(c: BaguaCommunicator, local: bool, tensor: torch.Tensor, count, root, root_name: str):
+    """Checks of an in-place gather/scatter: ``tensor`` holds nranks × ``count``
+    elements on the root and ``count`` elsewhere. Returns (global root, nranks,
+    whether this is the root, ``tensor`` as 1-D)."""
+    _check_tensor("tensor", tensor)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"count must be a non-negative integer, got {count!r}")
+    root = _peer(c, local, root, root_name)
+    n = c.nranks()
+    at_root = get_rank() == root
+    need = n * count if at_root else count
+    if tensor.numel() != need:
+        where = f"nranks x count = {n} x {count}" if at_root else "count"
+        raise ValueError(f"tensor must have {where} = {need} elements on this rank, got {tensor.numel()}")
+    return root, n, at_root, tensor.view(-1)
+
+
 def gather_inplace(tensor: torch.Tensor, count: int, dst: int, comm=None, *, group=None, async_op: bool = False):
     """In-place :func:`gather`: on rank ``dst`` ``tensor`` has nranks × ``count``
     elements, its own input being chunk ``dst``; elsewhere it has ``count`` elements."""
     c, local = _target(comm, group, "gather_inplace")
     if not c.is_member():
         return _skip(async_op)
-    _check_tensor("tensor", tensor)
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise ValueError(f"count must be a non-negative integer, got {count!r}")
-    dst = _peer(c, local, dst, "dst")
-    n = c.nranks()
-    at_dst = get_rank() == dst
-    need = n * count if at_dst else count
-    if tensor.numel() != need:
-        where = f"nranks x count = {n} x {count}" if at_dst else "count"
-        raise ValueError(f"tensor must have {where} = {need} elements on this rank, got {tensor.numel()}")
-    flat = tensor.view(-1)
+    dst, n, at_dst, flat = _rooted_inplace(c, local, tensor, count, dst, "dst")
     if at_dst:
         me = c.rank()
         send, chunks = flat[me * count:(me + 1) * count].clone(), list(flat.view(n, count).unbind(0))
@@ -936,17 +943,7 @@ def scatter_inplace(tensor: torch.Tensor, count: int, src: int, comm=None, *, gr
     c, local = _target(comm, group, "scatter_inplace")
     if not c.is_member():
         return _skip(async_op)
-    _check_tensor("tensor", tensor)
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise ValueError(f"count must be a non-negative integer, got {count!r}")
-    src = _peer(c, local, src, "src")
-    n = c.nranks()
-    at_src = get_rank() == src
-    need = n * count if at_src else count
-    if tensor.numel() != need:
-        where = f"nranks x count = {n} x {count}" if at_src else "count"
-        raise ValueError(f"tensor must have {where} = {need} elements on this rank, got {tensor.numel()}")
-    flat = tensor.view(-1)
+    src, n, at_src, flat = _rooted_inplace(c, local, tensor, count, src, "src")
     if at_src:
         out, chunks = torch.empty_like(flat[:count]), list(flat.view(n, count).unbind(0))
     else:

@@ -160,10 +160,8 @@ from bagua_algos.algorithms import (  # noqa: E402
 from bagua_algos.algorithms import unavailable  # noqa: E402
 from bagua_algos.runtime.algorithm import Algorithm  # noqa: E402
 
-_FLAG_ISSUE = 'bool("false") is True: the string is silently read as True, the opposite of what was meant'
 add("ga_average_string", 'GradientAllReduceAlgorithm(average="false") (a flag read from a config file)',
-    TypeError, "average must be True or False", lambda: GradientAllReduceAlgorithm(average="false"),
-    known_issue=_FLAG_ISSUE)
+    TypeError, "average must be True or False", lambda: GradientAllReduceAlgorithm(average="false"))
 add("aa_interval_zero", "AllreduceAverageAlgorithm(communication_interval=0)",
     ValueError, "communication_interval must be an int >= 1", lambda: AllreduceAverageAlgorithm(communication_interval=0))
 add("aa_interval_bool", "AllreduceAverageAlgorithm(communication_interval=True)",
@@ -174,8 +172,7 @@ add("dec_peer_mode", 'DecentralizedAlgorithm(peer_selection_mode="ring")',
     ValueError, "peer_selection_mode must be one of ['all', 'shift_one']",
     lambda: DecentralizedAlgorithm(peer_selection_mode="ring"))
 add("dec_hierarchical_string", 'DecentralizedAlgorithm(hierarchical="false")',
-    TypeError, "hierarchical must be True or False", lambda: DecentralizedAlgorithm(hierarchical="false"),
-    known_issue=_FLAG_ISSUE)
+    TypeError, "hierarchical must be True or False", lambda: DecentralizedAlgorithm(hierarchical="false"))
 add("dec_unknown_topology", 'DecentralizedAlgorithm(hierarchical=False, topology="torus")',
     ValueError, "unknown topology 'torus'; valid names", lambda: DecentralizedAlgorithm(hierarchical=False, topology="torus"))
 add("dec_topology_and_hierarchical", 'DecentralizedAlgorithm(hierarchical=True, topology="ring")',
@@ -187,8 +184,7 @@ add("relay_drop_nan", 'RelayAlgorithm(drop_rate=float("nan"))',
 add("relay_drop_one", "RelayAlgorithm(drop_rate=1.0)",
     ValueError, "drop_rate must be a probability in [0, 1)", lambda: RelayAlgorithm(drop_rate=1.0))
 add("relay_seed_string", 'RelayAlgorithm(seed="x")',
-    ValueError, "seed must be an int", lambda: RelayAlgorithm(seed="x"),
-    known_issue="int('x') fails with Python's own message, which does not name seed (and seed=1.7 is silently truncated to 1)")
+    ValueError, "seed must be an int", lambda: RelayAlgorithm(seed="x"))
 add("async_interval_negative", "AsyncModelAverageAlgorithm(sync_interval_ms=-1)",
     ValueError, "sync_interval_ms must be an int >= 0", lambda: AsyncModelAverageAlgorithm(sync_interval_ms=-1))
 add("async_warmup_string", 'AsyncModelAverageAlgorithm(warmup_steps="x")',
@@ -353,9 +349,11 @@ def _(rank, n):
 
 
 @dist_probe("wrap_group_not_a_group", 'model.with_bagua([opt], algorithm, process_group="world")',
-            ValueError, "process_group",
-            known_issue="torch's ValueError from dist.get_rank ('Group world is not registered ...') does not name "
-            "the argument; the check belongs in comm.py (being replaced), so it is reported, not fixed")
+            TypeError, "group must be",
+            known_issue="torch's own ValueError from dist.get_rank ('Group world is not registered, please create "
+            "group with torch.distributed.new_group API'), which does not name the argument; the check belongs in "
+            "comm.py, being replaced (the comm branch's comm.py answers TypeError 'comm/group must be a "
+            "communicator, ... got str' and passes)")
 def _(rank, n):
     _wrap(GradientAllReduceAlgorithm(), process_group="world")
 
@@ -391,17 +389,14 @@ def _(rank, n):
 
 
 @dist_probe("dec_all_frozen", "every parameter requires_grad=False, with_bagua([], DecentralizedAlgorithm())",
-            ValueError, "no parameter that requires grad",
-            known_issue="the message names an internal bucket ('bucket '0' needs at least one Bagua tensor'), not the cause")
+            ValueError, "no parameter that requires grad")
 def _(rank, n):
     model = _model().requires_grad_(False)
     model.with_bagua([], DecentralizedAlgorithm())
 
 
 @dist_probe("wrap_sparse_embedding", "Embedding(10, 3, sparse=True) under gradient_allreduce, one training step",
-            NotImplementedError, "parameter 'weight' has a sparse gradient",
-            known_issue="with_bagua accepts it, then the first backward crashes inside torch "
-            "(RuntimeError: Cannot access data pointer of Tensor that doesn't have storage, in BaguaBucket._before_ops)")
+            NotImplementedError, "parameter 'weight' has a sparse gradient")
 def _(rank, n):
     model = torch.nn.Embedding(10, 3, sparse=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -433,8 +428,7 @@ def _(rank, n):
 
 
 @dist_probe("dec_disconnected_topology", "DecentralizedAlgorithm(hierarchical=False, topology=<own Topology with no edges>)",
-            ValueError, "is not connected",
-            known_issue="accepted: every rank gossips with no one and the models are never averaged, silently")
+            ValueError, "is not connected")
 def _(rank, n):
     model, opt = _wrap(DecentralizedAlgorithm(hierarchical=False, topology=NoEdges(n)))
     _step(model, opt, rank)
@@ -489,8 +483,9 @@ def _(rank, n):
 
 @dist_probe("broadcast_src_out_of_range", "bagua_algos.broadcast(tensor, src=2) with 2 workers",
             ValueError, "src",
-            known_issue="RuntimeError from inside ProcessGroupGloo ('invalid root rank: 2'), which names neither src "
-            "nor the valid ranks; in comm.py (being replaced), so it is reported, not fixed")
+            known_issue="RuntimeError raised inside ProcessGroupGloo ('ProcessGroupGloo::broadcast: invalid root "
+            "rank: 2'), naming neither src nor the valid ranks; comm.py is being replaced (the comm branch's "
+            "comm.py answers ValueError 'src=2 is not a rank of this communicator ... 0..1' and passes)")
 def _(rank, n):
     bagua_algos.broadcast(torch.zeros(3), src=n)
 
@@ -706,7 +701,34 @@ would cost a synchronisation per step); guard the loss yourself
 """
 
 
-def page(probes, outcomes, command: str) -> str:
+FOUND_AND_FIXED = """\
+## Found by the probes and fixed
+
+Each was a failing probe first; the fixes have their own tests in
+`tests/test_input_checks.py`.
+
+- `ga_average_string`, `dec_hierarchical_string`: `GradientAllReduceAlgorithm(average="false")`
+  and `DecentralizedAlgorithm(hierarchical="false")` were read with `bool()`, so the
+  string "false" silently meant True. The flags must now be True or False (TypeError).
+- `relay_seed_string`: `RelayAlgorithm(seed="x")` failed with Python's
+  `invalid literal for int()`, not naming `seed`; `seed=1.7` was truncated to 1. Now
+  `seed must be an int`.
+- `dec_disconnected_topology`: a user's own `Topology` with several components was
+  accepted by `DecentralizedAlgorithm`; the components never exchange models, so the
+  models are never averaged (a silent wrong result). Now refused: `is not connected`.
+- `dec_all_frozen`: a module whose parameters all have `requires_grad=False` was refused
+  by `DecentralizedAlgorithm` (and `AsyncModelAverageAlgorithm`) with the internal
+  `bucket '0' needs at least one Bagua tensor`. The message now names the cause.
+- `wrap_sparse_embedding`: `nn.Embedding(..., sparse=True)` under gradient_allreduce
+  crashed inside torch at the first backward after `zero_grad()`
+  (`Cannot access data pointer of Tensor that doesn't have storage`, in
+  `BaguaBucket._before_ops`). The gradient hook now refuses a sparse gradient by the
+  parameter's name (NotImplementedError; model-averaging algorithms, which do not
+  communicate gradients, still accept it).
+"""
+
+
+def page(probes, outcomes, command: str, seconds: Optional[float] = None) -> str:
     cuda = "a GPU" if torch.cuda.is_available() else "no GPU"
     header = [
         "# Bad-input probes",
@@ -718,8 +740,10 @@ def page(probes, outcomes, command: str) -> str:
         PAGE_INTRO.format(limit=TIME_LIMIT_S),
         "## Summary",
         "",
-        summary(probes, outcomes),
+        summary(probes, outcomes)
+        + (f"\n\nThe whole run (one spawn of 2 gloo workers included) took {seconds:.1f} s." if seconds else ""),
         "",
+        FOUND_AND_FIXED,
         "## Probes",
         "",
         table(probes, outcomes),
@@ -744,7 +768,7 @@ def main(argv=None) -> int:
     if args.out:
         shown = " ".join(["python", "benchmarks/probe_bad_input.py", *(argv if argv is not None else sys.argv[1:])])
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(page(probes, outcomes, shown))
+        args.out.write_text(page(probes, outcomes, shown, elapsed))
         print(f"wrote {args.out}")
     return 0 if all(o.passed for o in outcomes) else 1
 

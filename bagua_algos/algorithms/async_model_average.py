@@ -74,6 +74,11 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
         return self.tensors
 
     def tensors_to_buckets(self, tensors, do_flatten):
+        if not any(tensors):
+            raise ValueError(
+                "AsyncModelAverageAlgorithm: the module has no parameter that requires grad, so there are "
+                "no weights to average; wrap a module with trainable parameters"
+            )
         if not do_flatten:
             raise ValueError("AsyncModelAverageAlgorithm needs do_flatten=True (it averages one flat buffer)")
         if self._warmup_buckets:

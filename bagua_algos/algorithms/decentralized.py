@@ -30,6 +30,7 @@ from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistr
 from ..runtime.bucket import BaguaBucket
 from ..runtime.ops import PEER_SELECTION_MODES, shift_one_peer
 from .allreduce_average import check_interval, communicates_at
+from .gradient_allreduce import check_flag
 from .topology_arg import check_topology_arg, resolve_topology
 from ..runtime import comm
 
@@ -59,7 +60,13 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
         return self.tensors
 
     def tensors_to_buckets(self, tensors, do_flatten):
-        return [BaguaBucket([t for group in tensors for t in group], flatten=do_flatten, name="0")]
+        tensors = [t for group in tensors for t in group]
+        if not tensors:
+            raise ValueError(
+                "DecentralizedAlgorithm: the module has no parameter that requires grad, so there are no "
+                "weights to gossip; wrap a module with trainable parameters"
+            )
+        return [BaguaBucket(tensors, flatten=do_flatten, name="0")]
 
     def init_operations(self, bagua_ddp, bucket):
         bucket.clear_ops()
@@ -114,6 +121,8 @@ class DecentralizedAlgorithm(Algorithm):
 
     def __init__(self, hierarchical=_UNSET, peer_selection_mode: str = "all",
                  communication_interval: int = 1, topology=None):
+        if hierarchical is not _UNSET:
+            check_flag("hierarchical", hierarchical)
         if peer_selection_mode not in PEER_SELECTION_MODES:
             raise ValueError(
                 f"peer_selection_mode must be one of {list(PEER_SELECTION_MODES)}, got {peer_selection_mode!r}"
@@ -127,7 +136,7 @@ class DecentralizedAlgorithm(Algorithm):
                 )
         if hierarchical is _UNSET:
             hierarchical = topology is None
-        self.hierarchical = bool(hierarchical)
+        self.hierarchical = hierarchical
         self.peer_selection_mode = peer_selection_mode
         self.communication_interval = check_interval(communication_interval)
         self.topology = topology

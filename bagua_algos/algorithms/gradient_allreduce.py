@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 
-__all__ = ["GradientAllReduceAlgorithm", "GradientAllReduceAlgorithmImpl"]
+__all__ = ["GradientAllReduceAlgorithm", "GradientAllReduceAlgorithmImpl", "check_flag"]
+
+
+def check_flag(name: str, value) -> bool:
+    """``value`` if it is True or False; anything else (e.g. the string "false", which
+    ``bool()`` would read as True) is refused."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 class GradientAllReduceAlgorithmImpl(AlgorithmImpl):
@@ -36,8 +44,8 @@ class GradientAllReduceAlgorithm(Algorithm):
     """
 
     def __init__(self, hierarchical: bool = False, average: bool = True):
-        self.hierarchical = bool(hierarchical)
-        self.average = bool(average)
+        self.hierarchical = check_flag("hierarchical", hierarchical)
+        self.average = check_flag("average", average)
 
     def reify(self, process_group) -> GradientAllReduceAlgorithmImpl:
         return GradientAllReduceAlgorithmImpl(process_group, self.hierarchical, self.average)

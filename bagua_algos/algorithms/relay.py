@@ -28,6 +28,7 @@ adds the received messages to x½ in place in neighbor order and divides once.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -293,6 +294,8 @@ class RelayAlgorithm(Algorithm):
             raise ValueError(f"mode must be one of {list(RELAY_MODES)}, got {mode!r}")
         if not isinstance(drop_rate, (int, float)) or math.isnan(drop_rate) or not 0.0 <= drop_rate < 1.0:
             raise ValueError(f"drop_rate must be a probability in [0, 1), got {drop_rate!r}")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise ValueError(f"seed must be an int, got {seed!r}")
         self.topology = topology
         self.mode = mode
         self.drop_rate = float(drop_rate)

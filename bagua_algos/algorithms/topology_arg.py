@@ -34,4 +34,9 @@ def resolve_topology(topology, world_size: int, require_tree: bool = False) -> T
             f"topology {topology!r} is not a tree; RelaySGD needs a tree "
             "(chain, binary_tree or double_binary_tree)"
         )
+    if not topology.is_connected():
+        raise ValueError(
+            f"topology {topology!r} is not connected: ranks in different components never exchange "
+            f"models, so they are never averaged; use a connected topology, e.g. one of {available_topologies()}"
+        )
     return topology

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
+import torch
+
 from . import comm
 from .bucket import BaguaBucket
 
@@ -99,6 +101,13 @@ class AlgorithmImpl:
     def init_backward_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> Callable[[str, Any], None]:
         def hook(parameter_name, parameter):
             if parameter_name in self._communication_tensor_names:
+                grad = parameter.grad
+                if grad is not None and grad.layout != torch.strided:
+                    raise NotImplementedError(
+                        f"parameter {parameter_name!r} has a sparse gradient ({grad.layout}); "
+                        f"{type(self).__name__} communicates dense gradients only: build the layer with "
+                        "sparse=False (e.g. torch.nn.Embedding(..., sparse=False))"
+                    )
                 parameter.bagua_mark_communication_ready()
 
         return hook

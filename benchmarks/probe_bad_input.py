@@ -1,0 +1,777 @@
+"""Bad-input probes: what a user can get wrong, and what bagua_algos answers.
+
+Each probe is one thing a user might do wrong (a misspelt name, an argument of the
+wrong type or range, a model that differs across ranks, NaN gradients, ...), the
+exception it must raise and a piece of text its message must contain (the argument's
+name, or what would be valid). A probe whose ``expected`` is ``None`` documents
+behaviour that is not an error (e.g. NaN gradients propagate, as under torch DDP):
+its ``match`` must then appear in what the probe observed.
+
+Probes that need no process group run in this process, each in a thread with a time
+limit; the others run in two gloo workers (one spawn for all of them, via
+``tests/gloo_workers.run_workers``), each probe on both ranks. Every probe records the
+exception type and the first line of its message (or "no error" and what it
+observed) and its time: a probe passes when the outcome matches and it finished
+within ``TIME_LIMIT_S``.
+
+    python benchmarks/probe_bad_input.py                      # prints the table
+    python benchmarks/probe_bad_input.py --out docs/probes.md # writes the page too
+
+A probe that shows a real problem keeps the expectation it should meet and carries a
+``known_issue`` note: it fails in the table until the problem is fixed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import os
+import platform
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+_REPO = Path(__file__).resolve().parent.parent
+for _path in (_REPO / "tests", _REPO):  # the repository ends up first
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import torch  # noqa: E402
+
+TIME_LIMIT_S = 5.0  # a probe that takes longer fails: nothing may hang
+HANG_GUARD_S = 20.0  # an in-process probe still running after this is reported as a hang
+WORLD_SIZE = 2
+
+
+@dataclass(frozen=True)
+class Probe:
+    id: str
+    action: str  # what the user does
+    expected: Optional[type]  # the exception it must raise; None: no error
+    match: str  # text the message (or, with no error, the observation) must contain
+    fn: Callable
+    distributed: bool = False  # fn(rank, world_size) in each gloo worker, else fn()
+    known_issue: str = ""  # set while the probe shows a real problem
+
+
+@dataclass
+class Outcome:
+    id: str
+    raised: Optional[str]  # exception type name, None if it returned
+    message: str  # first line of the message, or what the probe observed
+    full_message: str
+    seconds: float
+    passed: bool
+    why: str = ""  # why it failed
+
+
+PROBES: list[Probe] = []
+
+
+def add(id, action, expected, match, fn=None, *, distributed=False, known_issue=""):
+    """Register a probe; usable as ``add(..., fn)`` or as a decorator ``@add(...)``."""
+
+    def register(f):
+        if any(p.id == id for p in PROBES):
+            raise ValueError(f"duplicate probe id {id!r}")
+        PROBES.append(Probe(id, action, expected, match, f, distributed, known_issue))
+        return f
+
+    return register(fn) if fn is not None else register
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _model(seed: int = 0, out: int = 2) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, out))
+
+
+def _sgd(model) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _wrap(algorithm, model=None, **kwargs):
+    model = _model() if model is None else model
+    opt = _sgd(model)
+    model.with_bagua([opt], algorithm, **kwargs)
+    return model, opt
+
+
+def _step(model, opt, rank: int, step: int = 0):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(8, 4, generator=g, dtype=next(model.parameters()).dtype)
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+
+
+def _tensor(name="t", module="probe-module", n=4, dtype=torch.float32):
+    return torch.zeros(n, dtype=dtype).ensure_bagua_tensor(name, module)
+
+
+def _bucket(*tensors, name="probe", **kwargs):
+    from bagua_algos.runtime.bucket import BaguaBucket
+
+    return BaguaBucket(list(tensors) or [_tensor(module=f"probe-{name}")], name=name, flatten=True, **kwargs)
+
+
+def _launch(*argv):
+    """``launch.main(argv)`` in this process; its usage error comes back as SystemExit
+    whose message is "[exit CODE] <the error line on stderr>"."""
+    from bagua_algos.runtime import launch
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            launch.main([str(a) for a in argv])
+    except SystemExit as exc:
+        lines = [line for line in err.getvalue().splitlines() if "error:" in line] or err.getvalue().splitlines() or [""]
+        raise SystemExit(f"[exit {exc.code}] {lines[-1].strip()}") from None
+    return "the launcher started a job"
+
+
+def _finite_report(model, rank: int) -> str:
+    values = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    bad = int((~torch.isfinite(values)).sum())
+    if bad == 0:
+        return f"all {values.numel()} parameter values finite on rank {rank}"
+    kind = "NaN" if torch.isnan(values).any() else "inf"
+    return f"{bad} of {values.numel()} parameter values non-finite ({kind}) on rank {rank}"
+
+
+# ======================================================================= single-process
+# ----------------------------------------------------------------- algorithm settings
+
+from bagua_algos.algorithms import (  # noqa: E402
+    AllreduceAverageAlgorithm,
+    AsyncModelAverageAlgorithm,
+    DecentralizedAlgorithm,
+    GradientAllReduceAlgorithm,
+    RelayAlgorithm,
+)
+from bagua_algos.algorithms import unavailable  # noqa: E402
+from bagua_algos.runtime.algorithm import Algorithm  # noqa: E402
+
+add("ga_average_string", 'GradientAllReduceAlgorithm(average="false") (a flag read from a config file)',
+    TypeError, "average must be True or False", lambda: GradientAllReduceAlgorithm(average="false"))
+add("aa_interval_zero", "AllreduceAverageAlgorithm(communication_interval=0)",
+    ValueError, "communication_interval must be an int >= 1", lambda: AllreduceAverageAlgorithm(communication_interval=0))
+add("aa_interval_bool", "AllreduceAverageAlgorithm(communication_interval=True)",
+    ValueError, "communication_interval must be an int >= 1", lambda: AllreduceAverageAlgorithm(communication_interval=True))
+add("aa_interval_float", "AllreduceAverageAlgorithm(communication_interval=1.5)",
+    ValueError, "communication_interval must be an int >= 1", lambda: AllreduceAverageAlgorithm(communication_interval=1.5))
+add("dec_peer_mode", 'DecentralizedAlgorithm(peer_selection_mode="ring")',
+    ValueError, "peer_selection_mode must be one of ['all', 'shift_one']",
+    lambda: DecentralizedAlgorithm(peer_selection_mode="ring"))
+add("dec_hierarchical_string", 'DecentralizedAlgorithm(hierarchical="false")',
+    TypeError, "hierarchical must be True or False", lambda: DecentralizedAlgorithm(hierarchical="false"))
+add("dec_unknown_topology", 'DecentralizedAlgorithm(hierarchical=False, topology="torus")',
+    ValueError, "unknown topology 'torus'; valid names", lambda: DecentralizedAlgorithm(hierarchical=False, topology="torus"))
+add("dec_topology_and_hierarchical", 'DecentralizedAlgorithm(hierarchical=True, topology="ring")',
+    ValueError, "hierarchical=False with a topology", lambda: DecentralizedAlgorithm(hierarchical=True, topology="ring"))
+add("relay_mode", 'RelayAlgorithm(mode="mean")',
+    ValueError, "mode must be one of ['count', 'world_size']", lambda: RelayAlgorithm(mode="mean"))
+add("relay_drop_nan", 'RelayAlgorithm(drop_rate=float("nan"))',
+    ValueError, "drop_rate must be a probability in [0, 1)", lambda: RelayAlgorithm(drop_rate=float("nan")))
+add("relay_drop_one", "RelayAlgorithm(drop_rate=1.0)",
+    ValueError, "drop_rate must be a probability in [0, 1)", lambda: RelayAlgorithm(drop_rate=1.0))
+add("relay_seed_string", 'RelayAlgorithm(seed="x")',
+    ValueError, "seed must be an int", lambda: RelayAlgorithm(seed="x"))
+add("async_interval_negative", "AsyncModelAverageAlgorithm(sync_interval_ms=-1)",
+    ValueError, "sync_interval_ms must be an int >= 0", lambda: AsyncModelAverageAlgorithm(sync_interval_ms=-1))
+add("async_warmup_string", 'AsyncModelAverageAlgorithm(warmup_steps="x")',
+    ValueError, "warmup_steps must be an int >= 0", lambda: AsyncModelAverageAlgorithm(warmup_steps="x"))
+add("bytegrad_unavailable", "ByteGradAlgorithm() (Bagua's 8-bit compressed allreduce)",
+    NotImplementedError, "MinMaxUInt8", lambda: unavailable.ByteGradAlgorithm())
+add("qadam_unavailable", "QAdamOptimizer(model.parameters(), lr=0.1)",
+    NotImplementedError, "MinMaxUInt8", lambda: unavailable.QAdamOptimizer(_model().parameters(), lr=0.1))
+
+
+# -------------------------------------------------------------------- tensors, buckets
+
+
+@add("tensor_rename", 'ensure_bagua_tensor("a", "m") then ensure_bagua_tensor("b", "m") on the same tensor',
+     ValueError, "cannot be renamed 'b'")
+def _():
+    t = _tensor("a", "m")
+    t.ensure_bagua_tensor("b", "m")
+
+
+add("tensor_setter_without_getter", "ensure_bagua_tensor(name, module, setter_closure=f) with no getter_closure",
+    ValueError, "setter_closure needs a getter_closure",
+    lambda: torch.zeros(2).ensure_bagua_tensor("t", "m", setter_closure=lambda p, t: None))
+add("bucket_plain_tensor", "BaguaBucket([torch.zeros(4)], ...) (not registered as a Bagua tensor)",
+    TypeError, "is not a Bagua tensor; register it with", lambda: _bucket(torch.zeros(4)))
+add("bucket_alignment_zero", "BaguaBucket(tensors, ..., alignment=0)",
+    ValueError, "alignment must be an int >= 1", lambda: _bucket(alignment=0))
+add("bucket_mixed_dtypes", "BaguaBucket([float32 tensor, float64 tensor], ...)",
+    ValueError, "must share dtype and device",
+    lambda: _bucket(_tensor("a", "mx"), _tensor("b", "mx", dtype=torch.float64)))
+add("op_compression_minmax", 'bucket.append_centralized_synchronous_op(compression="MinMaxUInt8")',
+    NotImplementedError, "compression='MinMaxUInt8' needs the MinMaxUInt8 codec",
+    lambda: _bucket().append_centralized_synchronous_op(compression="MinMaxUInt8"))
+add("op_compression_unknown", 'bucket.append_centralized_synchronous_op(compression="MinMaxUInt4") (other bits)',
+    ValueError, "compression must be one of [None, 'MinMaxUInt8']",
+    lambda: _bucket().append_centralized_synchronous_op(compression="MinMaxUInt4"))
+add("op_peer_weight_size", "bucket.append_decentralized_synchronous_op(peer_weight=<tensor of the wrong size>)",
+    ValueError, "peer_weight must be a tensor of the bucket's 4 elements",
+    lambda: _bucket().append_decentralized_synchronous_op(peer_weight=torch.zeros(3).ensure_bagua_tensor("pw")))
+add("op_peer_mode", 'bucket.append_decentralized_synchronous_op(peer_weight, peer_selection_mode="ring")',
+    ValueError, "peer_selection_mode must be one of ['all', 'shift_one']",
+    lambda: (lambda b: b.append_decentralized_synchronous_op(b.flattened_tensor(), peer_selection_mode="ring"))(_bucket()))
+add("op_low_precision", "bucket.append_low_precision_decentralized_synchronous_op(weight, left, right)",
+    NotImplementedError, "MinMaxUInt8",
+    lambda: (lambda b: b.append_low_precision_decentralized_synchronous_op(b.flattened_tensor(), None, None))(_bucket()))
+
+
+# ------------------------------------------------------------------------- topologies
+
+from topologies import ChainTopology, Topology, get_topology  # noqa: E402
+
+add("topology_unknown_name", 'get_topology("torus", 4)',
+    ValueError, "unknown topology 'torus'; valid names are: chain", lambda: get_topology("torus", 4))
+add("topology_world_size_zero", 'get_topology("ring", 0)',
+    ValueError, "world_size must be an int >= 1, got 0", lambda: get_topology("ring", 0))
+
+# --------------------------------------------------------------------------- samplers
+
+from samplers import DistributedHeterogeneousSampler  # noqa: E402
+
+_LABELS = [i % 4 for i in range(40)]
+
+
+def _sampler(**kwargs):
+    settings = dict(dataset=list(range(len(_LABELS))), labels=_LABELS, num_replicas=2, rank=0)
+    settings.update(kwargs)
+    return DistributedHeterogeneousSampler(**settings)
+
+
+add("sampler_alpha_zero", "DistributedHeterogeneousSampler(dataset, alpha=0)",
+    ValueError, "alpha must be a finite number > 0", lambda: _sampler(alpha=0))
+add("sampler_alpha_nan", 'DistributedHeterogeneousSampler(dataset, alpha=float("nan"))',
+    ValueError, "alpha must be a finite number > 0, got alpha=nan", lambda: _sampler(alpha=float("nan")))
+add("sampler_alpha_inf", 'DistributedHeterogeneousSampler(dataset, alpha=float("inf"))',
+    ValueError, "infinite concentration is not supported", lambda: _sampler(alpha=float("inf")))
+add("sampler_empty_dataset", "DistributedHeterogeneousSampler([], labels=[], num_replicas=2, rank=0)",
+    ValueError, "the dataset has 0 samples, fewer than num_replicas=2", lambda: _sampler(dataset=[], labels=[]))
+add("sampler_rank_out_of_range", "DistributedHeterogeneousSampler(dataset, num_replicas=2, rank=2)",
+    ValueError, "rank must be in [0, num_replicas) = [0, 2), got rank=2", lambda: _sampler(rank=2))
+add("sampler_no_process_group", "DistributedHeterogeneousSampler(dataset) without num_replicas/rank, no process group",
+    RuntimeError, "Pass num_replicas= and rank= explicitly",
+    lambda: DistributedHeterogeneousSampler(list(range(40)), labels=_LABELS))
+
+# --------------------------------------------------------------------------- launcher
+
+add("launch_nproc_zero", "python -m bagua_algos.launch --nproc_per_node 0 train.py",
+    SystemExit, "[exit 2] python -m bagua_algos.launch: error: argument --nproc_per_node: must be >= 1",
+    lambda: _launch("--nproc_per_node", 0, "train.py"))
+add("launch_nproc_not_int", "python -m bagua_algos.launch --nproc_per_node two train.py",
+    SystemExit, "[exit 2] python -m bagua_algos.launch: error: argument --nproc_per_node: invalid int value: 'two'",
+    lambda: _launch("--nproc_per_node", "two", "train.py"))
+add("launch_node_rank", "python -m bagua_algos.launch --nnodes 2 --node_rank 2 train.py",
+    SystemExit, "argument --node_rank: must be in [0, 2)", lambda: _launch("--nnodes", 2, "--node_rank", 2, "train.py"))
+
+# ------------------------------------------------------------ process group, checkpoint
+
+import bagua_algos  # noqa: E402
+from bagua_algos.runtime import checkpoint  # noqa: E402
+
+add("with_bagua_before_init", "model.with_bagua([opt], GradientAllReduceAlgorithm()) before init_process_group()",
+    RuntimeError, "call bagua_algos.init_process_group() first",
+    lambda: (lambda m: m.with_bagua([_sgd(m)], GradientAllReduceAlgorithm()))(_model()))
+
+
+@add("checkpoint_bad_tracker", "load_checkpoint(dir) where latest_checkpointed_iteration.txt holds 'last'",
+     ValueError, "must hold an iteration number, got 'last'")
+def _():
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, checkpoint.TRACKER).write_text("last")
+        checkpoint.load_checkpoint(tmp, _model())
+
+
+# ======================================================================= two gloo workers
+
+
+def dist_probe(id, action, expected, match, known_issue=""):
+    return add(id, action, expected, match, distributed=True, known_issue=known_issue)
+
+
+@dist_probe("wrap_optimizers_none", "model.with_bagua(None, GradientAllReduceAlgorithm())",
+            TypeError, "optimizers must be a list of torch.optim.Optimizer, got NoneType")
+def _(rank, n):
+    _model().with_bagua(None, GradientAllReduceAlgorithm())
+
+
+@dist_probe("wrap_foreign_optimizer", "model.with_bagua([optimizer of another model], ...)",
+            ValueError, "is not a parameter of the module given to with_bagua")
+def _(rank, n):
+    _model().with_bagua([_sgd(_model())], GradientAllReduceAlgorithm())
+
+
+@dist_probe("wrap_unknown_algorithm_name", 'model.with_bagua([opt], "bytegrad")',
+            ValueError, "unknown algorithm 'bytegrad'; available algorithms:")
+def _(rank, n):
+    model = _model()
+    model.with_bagua([_sgd(model)], "bytegrad")
+
+
+@dist_probe("wrap_do_flatten_string", 'model.with_bagua([opt], algorithm, do_flatten="false")',
+            TypeError, "do_flatten must be True or False, got 'false'")
+def _(rank, n):
+    _wrap(GradientAllReduceAlgorithm(), do_flatten="false")
+
+
+@dist_probe("wrap_bucket_size_zero", "model.with_bagua([opt], algorithm, bucket_size=0)",
+            ValueError, "bucket_size must be a positive number of bytes, got 0")
+def _(rank, n):
+    _wrap(GradientAllReduceAlgorithm(), bucket_size=0)
+
+
+@dist_probe("wrap_broadcast_buffers", 'model.with_bagua([opt], algorithm, broadcast_buffers="always")',
+            ValueError, "broadcast_buffers must be one of [False, True, 'first_step'], got 'always'")
+def _(rank, n):
+    _wrap(GradientAllReduceAlgorithm(), broadcast_buffers="always")
+
+
+@dist_probe("wrap_group_without_me", "each rank passes process_group=new_group([other rank]), a group it is not in",
+            ValueError, "process_group does not contain this process")
+def _(rank, n):
+    groups = [bagua_algos.new_group([r]) for r in range(n)]
+    _wrap(GradientAllReduceAlgorithm(), process_group=groups[(rank + 1) % n])
+
+
+@dist_probe("wrap_group_not_a_group", 'model.with_bagua([opt], algorithm, process_group="world")',
+            TypeError, "group must be",
+            known_issue="torch's own ValueError from dist.get_rank ('Group world is not registered, please create "
+            "group with torch.distributed.new_group API'), which does not name the argument; the check belongs in "
+            "comm.py, being replaced (the comm branch's comm.py answers TypeError 'comm/group must be a "
+            "communicator, ... got str' and passes)")
+def _(rank, n):
+    _wrap(GradientAllReduceAlgorithm(), process_group="world")
+
+
+@dist_probe("wrap_shapes_differ", "rank 1 builds Linear(3, 5) as last layer, rank 0 Linear(3, 2)",
+            ValueError, "the module differs across ranks")
+def _(rank, n):
+    _wrap(GradientAllReduceAlgorithm(), model=_model(out=2 + 3 * rank))
+
+
+@dist_probe("dtype_change_after_wrap", "model.double() after with_bagua, then a training step",
+            RuntimeError, "is now torch.float64 on cpu but was torch.float32")
+def _(rank, n):
+    model, opt = _wrap(GradientAllReduceAlgorithm())
+    model.double()
+    _step(model, opt, rank)
+
+
+@dist_probe("bfloat16_model", "model.bfloat16() before with_bagua, gradient_allreduce, one step",
+            None, "all 23 parameter values finite")
+def _(rank, n):
+    model, opt = _wrap(GradientAllReduceAlgorithm(), model=_model().bfloat16())
+    _step(model, opt, rank)
+    return _finite_report(model, rank)
+
+
+@dist_probe("dec_mixed_dtypes", "a model with float32 and float64 layers under DecentralizedAlgorithm()",
+            ValueError, "must share dtype and device")
+def _(rank, n):
+    model = _model()
+    model[2].double()
+    _wrap(DecentralizedAlgorithm(), model=model)
+
+
+@dist_probe("dec_all_frozen", "every parameter requires_grad=False, with_bagua([], DecentralizedAlgorithm())",
+            ValueError, "no parameter that requires grad")
+def _(rank, n):
+    model = _model().requires_grad_(False)
+    model.with_bagua([], DecentralizedAlgorithm())
+
+
+@dist_probe("wrap_sparse_embedding", "Embedding(10, 3, sparse=True) under gradient_allreduce, one training step",
+            NotImplementedError, "parameter 'weight' has a sparse gradient")
+def _(rank, n):
+    model = torch.nn.Embedding(10, 3, sparse=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.with_bagua([opt], GradientAllReduceAlgorithm())
+    opt.zero_grad()  # set_to_none: the next gradient is a new, sparse tensor
+    model(torch.tensor([1, 2 + rank])).sum().backward()
+    opt.step()
+
+
+@dist_probe("aa_without_optimizer", "model.with_bagua([], AllreduceAverageAlgorithm()) (no optimizer)",
+            ValueError, "pass the module's optimizers to with_bagua")
+def _(rank, n):
+    _model().with_bagua([], AllreduceAverageAlgorithm())
+
+
+class NoEdges(Topology):
+    """A user's own topology that forgot the edges (every rank alone)."""
+
+    name = "no_edges"
+
+    def _candidate_neighbors(self, rank):
+        return []
+
+
+@dist_probe("relay_not_a_tree", "RelayAlgorithm(topology=<own Topology with no edges>) on 2 workers",
+            ValueError, "is not a tree; RelaySGD needs a tree")
+def _(rank, n):
+    _wrap(RelayAlgorithm(topology=NoEdges(n)))
+
+
+@dist_probe("dec_disconnected_topology", "DecentralizedAlgorithm(hierarchical=False, topology=<own Topology with no edges>)",
+            ValueError, "is not connected")
+def _(rank, n):
+    model, opt = _wrap(DecentralizedAlgorithm(hierarchical=False, topology=NoEdges(n)))
+    _step(model, opt, rank)
+
+
+@dist_probe("relay_topology_size", "RelayAlgorithm(topology=ChainTopology(3)) on 2 workers",
+            ValueError, "has 3 ranks but the process group has 2")
+def _(rank, n):
+    _wrap(RelayAlgorithm(topology=ChainTopology(n + 1)))
+
+
+@dist_probe("dec_topology_size", "DecentralizedAlgorithm(hierarchical=False, topology=ChainTopology(3)) on 2 workers",
+            ValueError, "has 3 ranks but the process group has 2")
+def _(rank, n):
+    _wrap(DecentralizedAlgorithm(hierarchical=False, topology=ChainTopology(n + 1)))
+
+
+@dist_probe("dec_shift_one_one_node", 'DecentralizedAlgorithm(peer_selection_mode="shift_one") on one node '
+            "(hierarchical by default: one node gossips with no one)",
+            ValueError, "peer_selection_mode='shift_one' needs an even number of nodes, got 1")
+def _(rank, n):
+    _wrap(DecentralizedAlgorithm(peer_selection_mode="shift_one"))
+
+
+@dist_probe("async_no_flatten", "model.with_bagua([opt], AsyncModelAverageAlgorithm(), do_flatten=False)",
+            ValueError, "AsyncModelAverageAlgorithm needs do_flatten=True")
+def _(rank, n):
+    _wrap(AsyncModelAverageAlgorithm(), do_flatten=False)
+
+
+@dist_probe("ga_hierarchical_subgroup", "GradientAllReduceAlgorithm(hierarchical=True) over a one-rank process_group",
+            ValueError, "hierarchical=True reduces over all workers")
+def _(rank, n):
+    groups = [bagua_algos.new_group([r]) for r in range(n)]
+    _wrap(GradientAllReduceAlgorithm(hierarchical=True), process_group=groups[rank])
+
+
+@dist_probe("async_abort_not_module", 'model.bagua_algorithm.abort("model") (a string, not the module)',
+            TypeError, "abort()/resume() take the module given to with_bagua")
+def _(rank, n):
+    model, _ = _wrap(AsyncModelAverageAlgorithm(sync_interval_ms=0))
+    model.bagua_algorithm.abort("model")
+
+
+@dist_probe("load_state_other_algorithm", "load_bagua_state_dict(state saved under relay) into a gradient_allreduce model",
+            ValueError, "checkpoint holds state of algorithm 'RelayAlgorithm', this module runs 'GradientAllReduceAlgorithm'")
+def _(rank, n):
+    relay, _ = _wrap(RelayAlgorithm(topology="chain"))
+    model, _ = _wrap(GradientAllReduceAlgorithm())
+    model.load_bagua_state_dict(relay.bagua_state_dict())
+
+
+@dist_probe("broadcast_src_out_of_range", "bagua_algos.broadcast(tensor, src=2) with 2 workers",
+            ValueError, "src",
+            known_issue="RuntimeError raised inside ProcessGroupGloo ('ProcessGroupGloo::broadcast: invalid root "
+            "rank: 2'), naming neither src nor the valid ranks; comm.py is being replaced (the comm branch's "
+            "comm.py answers ValueError 'src=2 is not a rank of this communicator ... 0..1' and passes)")
+def _(rank, n):
+    bagua_algos.broadcast(torch.zeros(3), src=n)
+
+
+# --- NaN / inf gradients: observed behaviour, not errors (torch DDP propagates them too)
+
+
+def _poison_rank_one(model, rank: int, value: float):
+    """Rank 1's gradient of the first weight becomes ``value`` everywhere."""
+    if rank == 1:
+        model[0].weight.register_hook(lambda g: torch.full_like(g, value))
+
+
+def _nan_probe(algorithm_factory, value, steps=2, abort=False):
+    def fn(rank, n):
+        model = _model()
+        _poison_rank_one(model, rank, value)
+        opt = _sgd(model)
+        model.with_bagua([opt], algorithm_factory())
+        for step in range(steps):
+            _step(model, opt, rank, step)
+        if abort:
+            model.bagua_algorithm.abort(model)
+        return _finite_report(model, rank)
+
+    return fn
+
+
+_NAN_NOTE = "rank 1's gradient of the first weight set to NaN (a tensor hook), 2 training steps"
+for _name, _factory, _extra in (
+    ("gradient_allreduce", GradientAllReduceAlgorithm, {}),
+    ("allreduce_average", AllreduceAverageAlgorithm, {}),
+    ("decentralized", DecentralizedAlgorithm, {}),
+    ("relay", lambda: RelayAlgorithm(topology="chain"), {}),
+    ("async", lambda: AsyncModelAverageAlgorithm(sync_interval_ms=5), {"abort": True}),
+):
+    add(f"nan_grad_{_name}", f"{_NAN_NOTE} under {_name}" + (" (then abort())" if _extra else ""),
+        None, "values non-finite (NaN) on rank", _nan_probe(_factory, float("nan"), **_extra), distributed=True)
+add("inf_grad_gradient_allreduce", "the same with +inf under gradient_allreduce",
+    None, "values non-finite", _nan_probe(GradientAllReduceAlgorithm, float("inf")), distributed=True)
+
+
+# ============================================================================ running
+
+
+def _first_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[0].strip() if lines else ""
+
+
+def judge(probe: Probe, exc: Optional[BaseException], value, seconds: float) -> Outcome:
+    """The outcome of ``probe`` given what it raised (or returned) and its time."""
+    if exc is None:
+        observation = "no error" if value is None else str(value)
+        raised, full = None, observation
+        if probe.expected is not None:
+            passed, why = False, f"expected {probe.expected.__name__}, nothing was raised"
+        elif probe.match not in observation:
+            passed, why = False, f"observation does not contain {probe.match!r}"
+        else:
+            passed, why = True, ""
+    else:
+        raised, full = type(exc).__name__, str(exc)
+        if probe.expected is None:
+            passed, why = False, "expected no error"
+        elif not isinstance(exc, probe.expected):
+            passed, why = False, f"expected {probe.expected.__name__}"
+        elif probe.match not in full:
+            passed, why = False, f"message does not contain {probe.match!r}"
+        else:
+            passed, why = True, ""
+    if passed and seconds > TIME_LIMIT_S:
+        passed, why = False, f"took {seconds:.1f} s (limit {TIME_LIMIT_S:.0f} s)"
+    return Outcome(probe.id, raised, _first_line(full), full, seconds, passed, why)
+
+
+def _call(fn, *args):
+    start = time.perf_counter()
+    try:
+        value = fn(*args)
+        exc = None
+    except (Exception, SystemExit) as caught:  # noqa: BLE001 - recording is the point
+        value, exc = None, caught
+    return exc, value, time.perf_counter() - start
+
+
+_warmed_up = False
+
+
+def warm_up() -> None:
+    """One plain training step, untimed: the first optimizer step imports and sets up
+    parts of torch (seconds on a busy 2-core machine) that no probe should be charged for."""
+    global _warmed_up
+    if not _warmed_up:
+        model = _model()
+        _step(model, _sgd(model), 0)
+        _warmed_up = True
+
+
+def run_probe(probe: Probe) -> Outcome:
+    """Run a single-process probe in a thread; one still running after HANG_GUARD_S is a hang."""
+    if probe.distributed:
+        raise ValueError(f"probe {probe.id!r} needs the gloo workers: use run_distributed")
+    warm_up()
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(result=_call(probe.fn)), daemon=True, name=f"probe-{probe.id}")
+    thread.start()
+    thread.join(HANG_GUARD_S)
+    if thread.is_alive():
+        return Outcome(probe.id, "HANG", f"no result after {HANG_GUARD_S:.0f} s", "", HANG_GUARD_S, False, "hangs")
+    return judge(probe, *box["result"])
+
+
+def _distributed_worker(rank, world_size, ids):
+    """In each gloo worker: run and judge the distributed probes ``ids`` in order."""
+    torch.set_num_threads(1)
+    warm_up()
+    by_id = {p.id: p for p in PROBES}
+    return [vars(judge(by_id[i], *_call(by_id[i].fn, rank, world_size))) for i in ids]
+
+
+def run_distributed(probes=None, world_size: int = WORLD_SIZE, timeout: float = 180.0) -> list[Outcome]:
+    """Run the distributed probes in ``world_size`` gloo workers (one spawn); one Outcome
+    per probe, failed unless every rank's outcome passed."""
+    from gloo_workers import run_workers
+
+    probes = [p for p in (PROBES if probes is None else probes) if p.distributed]
+    if not probes:
+        return []
+    per_rank = run_workers(_distributed_worker, world_size, [p.id for p in probes], timeout=timeout, pg_timeout=15.0)
+    outcomes = []
+    for index, probe in enumerate(probes):
+        judged = []
+        for rank_results in per_rank:
+            judged.append(Outcome(**rank_results[index]))
+            assert judged[-1].id == probe.id
+        first = judged[0]
+        first.seconds = max(o.seconds for o in judged)
+        for rank, other in enumerate(judged[1:], start=1):
+            if not other.passed and first.passed:
+                first.passed, first.why = False, f"rank {rank}: {other.why} ({other.raised or 'no error'}: {other.message})"
+        outcomes.append(first)
+    return outcomes
+
+
+def run_all(probes=None) -> list[Outcome]:
+    probes = PROBES if probes is None else probes
+    local = {p.id: run_probe(p) for p in probes if not p.distributed}
+    remote = {o.id: o for o in run_distributed(probes)}
+    return [local.get(p.id) or remote[p.id] for p in probes]
+
+
+# ============================================================================= output
+
+
+def _cell(text: str, limit: int = 150) -> str:
+    text = " ".join(str(text).split())
+    if len(text) > limit:
+        text = text[: limit - 1] + "…"
+    return text.replace("|", "\\|")
+
+
+def table(probes, outcomes) -> str:
+    rows = ["| # | probe | runs in | what the user did | expected | outcome | message (first line) / observation | s | result |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for number, (probe, o) in enumerate(zip(probes, outcomes), start=1):
+        expected = probe.expected.__name__ if probe.expected else "no error"
+        outcome = o.raised or "no error"
+        result = "pass" if o.passed else f"**FAIL**: {o.why}"
+        rows.append(
+            f"| {number} | `{probe.id}` | {'2 gloo workers' if probe.distributed else 'this process'} | "
+            f"{_cell(probe.action, 110)} | {expected} | {outcome} | "
+            f"{_cell(o.message)} | {o.seconds:.3f} | {_cell(result, 160)} |"
+        )
+    return "\n".join(rows)
+
+
+def summary(probes, outcomes) -> str:
+    failed = [(p, o) for p, o in zip(probes, outcomes) if not o.passed]
+    lines = [f"{len(probes)} probes ({sum(not p.distributed for p in probes)} in one process, "
+             f"{sum(p.distributed for p in probes)} in {WORLD_SIZE} gloo workers): "
+             f"{len(probes) - len(failed)} pass, {len(failed)} fail; slowest probe "
+             f"{max(o.seconds for o in outcomes):.2f} s (limit {TIME_LIMIT_S:.0f} s)."]
+    for p, o in failed:
+        note = f" Known issue: {p.known_issue}." if p.known_issue else ""
+        lines.append(f"- `{p.id}` ({p.action}): {o.why}.{note} "
+                     f"Reproduce: `python benchmarks/probe_bad_input.py -k {p.id}`.")
+    return "\n".join(lines)
+
+
+PAGE_INTRO = """\
+Every row is one thing a user can get wrong and what bagua_algos answers. The standard:
+bad input is refused at once with an error that names the argument and what would be
+valid; the module is left as it was; nothing hangs (every probe must finish within
+{limit:.0f} s). A probe passes when the exception type matches (a subclass counts) and
+its message contains the expected text. Rows whose expectation is "no error" document
+behaviour that is deliberately not an error; their observation must contain the
+expected text. The probes live in `benchmarks/probe_bad_input.py` and
+`tests/test_probes.py` checks them.
+
+Probes that need a process group run on both ranks of one spawned job of 2 gloo workers
+(the row shows rank 0's outcome and the slower rank's time; a probe fails if either
+rank's outcome is wrong); the others run in the calling process, each in a thread
+watched for hangs. Times are taken after one untimed warm-up training step (the first
+optimizer step sets up parts of torch).
+
+**NaN and inf gradients** (`nan_grad_*`, `inf_grad_*`) are not refused: as under torch
+DDP they propagate silently. NaN in one rank's gradients reaches every rank: through
+the gradient allreduce at once, through model averaging (allreduce_average,
+decentralized, relay, async) at the next averaging. Nothing checks for them (a check
+would cost a synchronisation per step); guard the loss yourself
+(`torch.isfinite(loss)`, gradient clipping, `torch.amp.GradScaler`).
+"""
+
+
+FOUND_AND_FIXED = """\
+## Found by the probes and fixed
+
+Each was a failing probe first; the fixes have their own tests in
+`tests/test_input_checks.py`.
+
+- `ga_average_string`, `dec_hierarchical_string`: `GradientAllReduceAlgorithm(average="false")`
+  and `DecentralizedAlgorithm(hierarchical="false")` were read with `bool()`, so the
+  string "false" silently meant True. The flags must now be True or False (TypeError).
+- `relay_seed_string`: `RelayAlgorithm(seed="x")` failed with Python's
+  `invalid literal for int()`, not naming `seed`; `seed=1.7` was truncated to 1. Now
+  `seed must be an int`.
+- `dec_disconnected_topology`: a user's own `Topology` with several components was
+  accepted by `DecentralizedAlgorithm`; the components never exchange models, so the
+  models are never averaged (a silent wrong result). Now refused: `is not connected`.
+- `dec_all_frozen`: a module whose parameters all have `requires_grad=False` was refused
+  by `DecentralizedAlgorithm` (and `AsyncModelAverageAlgorithm`) with the internal
+  `bucket '0' needs at least one Bagua tensor`. The message now names the cause.
+- `wrap_sparse_embedding`: `nn.Embedding(..., sparse=True)` under gradient_allreduce
+  crashed inside torch at the first backward after `zero_grad()`
+  (`Cannot access data pointer of Tensor that doesn't have storage`, in
+  `BaguaBucket._before_ops`). The gradient hook now refuses a sparse gradient by the
+  parameter's name (NotImplementedError; model-averaging algorithms, which do not
+  communicate gradients, still accept it).
+"""
+
+
+def page(probes, outcomes, command: str, seconds: Optional[float] = None) -> str:
+    cuda = "a GPU" if torch.cuda.is_available() else "no GPU"
+    header = [
+        "# Bad-input probes",
+        "",
+        f"Generated by `{command}` on {datetime.date.today().isoformat()}: "
+        f"{os.cpu_count()} CPU cores, {cuda}, torch {torch.__version__.split('+')[0]}, "
+        f"Python {platform.python_version()}, {platform.system()}.",
+        "",
+        PAGE_INTRO.format(limit=TIME_LIMIT_S),
+        "## Summary",
+        "",
+        summary(probes, outcomes)
+        + (f"\n\nThe whole run (one spawn of 2 gloo workers included) took {seconds:.1f} s." if seconds else ""),
+        "",
+        FOUND_AND_FIXED,
+        "## Probes",
+        "",
+        table(probes, outcomes),
+        "",
+    ]
+    return "\n".join(header)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Probe bagua_algos with bad input and tabulate the answers.")
+    parser.add_argument("--out", type=Path, help="also write the markdown page here (e.g. docs/probes.md)")
+    parser.add_argument("-k", dest="select", help="only probes whose id contains this text")
+    args = parser.parse_args(argv)
+    probes = [p for p in PROBES if not args.select or args.select in p.id]
+    start = time.perf_counter()
+    outcomes = run_all(probes)
+    elapsed = time.perf_counter() - start
+    print(table(probes, outcomes))
+    print()
+    print(summary(probes, outcomes))
+    print(f"all probes: {elapsed:.1f} s")
+    if args.out:
+        shown = " ".join(["python", "benchmarks/probe_bad_input.py", *(argv if argv is not None else sys.argv[1:])])
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(page(probes, outcomes, shown, elapsed))
+        print(f"wrote {args.out}")
+    return 0 if all(o.passed for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

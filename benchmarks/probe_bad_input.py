@@ -349,11 +349,7 @@ def _(rank, n):
 
 
 @dist_probe("wrap_group_not_a_group", 'model.with_bagua([opt], algorithm, process_group="world")',
-            TypeError, "group must be",
-            known_issue="torch's own ValueError from dist.get_rank ('Group world is not registered, please create "
-            "group with torch.distributed.new_group API'), which does not name the argument; the check belongs in "
-            "comm.py, being replaced (the comm branch's comm.py answers TypeError 'comm/group must be a "
-            "communicator, ... got str' and passes)")
+            TypeError, "group must be")
 def _(rank, n):
     _wrap(GradientAllReduceAlgorithm(), process_group="world")
 
@@ -482,10 +478,7 @@ def _(rank, n):
 
 
 @dist_probe("broadcast_src_out_of_range", "bagua_algos.broadcast(tensor, src=2) with 2 workers",
-            ValueError, "src",
-            known_issue="RuntimeError raised inside ProcessGroupGloo ('ProcessGroupGloo::broadcast: invalid root "
-            "rank: 2'), naming neither src nor the valid ranks; comm.py is being replaced (the comm branch's "
-            "comm.py answers ValueError 'src=2 is not a rank of this communicator ... 0..1' and passes)")
+            ValueError, "src")
 def _(rank, n):
     bagua_algos.broadcast(torch.zeros(3), src=n)
 

@@ -158,6 +158,8 @@ class BaguaDistributedDataParallel:
                 lambda optimizer, args, kwargs: step_hook(optimizer) if self.require_backward_grad_sync else None))
 
     def _on_forward(self, module, inputs) -> None:
+        # A backward that raised never ran its queued callback: start clean.
+        self._post_backward_queued = False
         if not module.training:
             return
         self._check_unchanged()

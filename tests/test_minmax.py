@@ -1,0 +1,363 @@
+"""The min-max (TernGrad-style) quantization codec in bagua_algos.compression.minmax."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bagua_algos.compression import (
+    HEADER_BYTES,
+    decode,
+    decode_chunks,
+    encode,
+    encode_chunks,
+    encoded_size,
+)
+
+BITS = [1, 2, 4, 8]
+SEED_EXAMPLE = [-5.0, 2.0, -3.0, 7.0, -1.0, 5.0, 3.0]
+
+
+def header(buf: torch.Tensor):
+    return struct.unpack("<BBff", bytes(buf[:HEADER_BYTES].tolist()))
+
+
+def gap_of(x: torch.Tensor, bits: int) -> float:
+    x = x.float()
+    return float((x.max() - x.min()) / ((1 << bits) - 1))
+
+
+def slack(x: torch.Tensor) -> float:
+    """Float32 rounding allowance for values of this magnitude."""
+    return 4e-7 * float(x.float().abs().max()) if x.numel() else 0.0
+
+
+finite_lists = st.lists(
+    st.floats(-1e6, 1e6, width=32, allow_subnormal=False), min_size=0, max_size=40
+)
+
+
+# ------------------------------------------------------------- the seed's example
+
+
+def test_seed_example_nearest_bytes():
+    buf = encode(torch.tensor(SEED_EXAMPLE), 2)
+    assert header(buf) == (2, 1, -5.0, 7.0)
+    # indices 0,2,0,3 | 1,2,2,(pad): -3 -> 0.5 and 5 -> 2.5 are ties, sent to the even index
+    assert buf[HEADER_BYTES:].tolist() == [0b00100011, 0b01101000] == [35, 104]
+    assert decode(buf).tolist() == [-5.0, 3.0, -5.0, 7.0, -1.0, 3.0, 3.0]
+
+
+def test_seed_example_bytes_decode():
+    buf = torch.tensor(list(struct.pack("<BBff", 2, 1, -5.0, 7.0)) + [39, 104], dtype=torch.uint8)
+    assert decode(buf).tolist() == [-5.0, 3.0, -1.0, 7.0, -1.0, 3.0, 3.0]
+
+
+def test_seed_example_stochastic_outcomes():
+    x = torch.tensor(SEED_EXAMPLE)
+    g = torch.Generator().manual_seed(1)
+    rows = encode_chunks(x.expand(400, 7), 2, stochastic=True, generator=g).view(400, -1)
+    assert all(header(r) == (2, 1, -5.0, 7.0) for r in rows[:5])
+    payloads = {tuple(r) for r in rows[:, HEADER_BYTES:].tolist()}
+    assert (39, 104) in payloads  # the seed's outcome (probability 3/16 per draw)
+    values = decode_chunks(rows.reshape(-1), 400)
+    lo = torch.tensor([-5.0, -1.0, -5.0, 7.0, -1.0, 3.0, 3.0])
+    hi = torch.tensor([-5.0, 3.0, -1.0, 7.0, -1.0, 7.0, 3.0])
+    assert ((values == lo) | (values == hi)).all()
+
+
+def test_one_bit_packing_order():
+    buf = encode(torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0]), 1)
+    assert header(buf) == (1, 3, 0.0, 1.0)
+    assert buf[HEADER_BYTES:].tolist() == [0b01101000]
+
+
+# --------------------------------------------------------------- sizes and headers
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_every_length_size_header_and_round_trip(bits):
+    per = 8 // bits
+    for n in range(21):
+        x = torch.linspace(-3.0, 2.0, n) if n != 1 else torch.tensor([0.25])
+        buf = encode(x, bits)
+        assert buf.dtype == torch.uint8 and buf.dim() == 1
+        assert buf.numel() == encoded_size(n, bits) == HEADER_BYTES + math.ceil(n * bits / 8)
+        b, tail, mn, mx = header(buf)
+        assert (b, tail) == (bits, (-n) % per)
+        if n:
+            assert (mn, mx) == (float(x.min()), float(x.max()))
+        else:
+            assert (mn, mx) == (0.0, 0.0)
+        out = decode(buf)
+        assert out.dtype == torch.float32 and out.shape == (n,)
+        if n:
+            assert (out - x).abs().max() <= gap_of(x, bits) / 2 + slack(x)
+
+
+def test_encoded_size_checks():
+    assert encoded_size(0, 8) == HEADER_BYTES
+    assert encoded_size(4_000_000, 2) == HEADER_BYTES + 1_000_000
+    with pytest.raises(ValueError, match="numel"):
+        encoded_size(-1, 2)
+    with pytest.raises(ValueError, match="bits"):
+        encoded_size(4, 3)
+
+
+@pytest.mark.parametrize("bits", [0, 3, 5, 16, -2, True, 2.0, "2", None])
+def test_invalid_bits_refused(bits):
+    with pytest.raises(ValueError, match=r"bits must be one of 1, 2, 4, 8"):
+        encode(torch.ones(4), bits)
+    with pytest.raises(ValueError, match=r"bits must be one of 1, 2, 4, 8"):
+        encode_chunks(torch.ones(2, 4), bits)
+
+
+def test_non_float_input_refused():
+    with pytest.raises(TypeError, match="float dtype"):
+        encode(torch.arange(4), 2)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        encode([1.0, 2.0], 2)
+
+
+# ------------------------------------------------------------------- round trips
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=finite_lists, bits=st.sampled_from(BITS))
+def test_nearest_round_trip_within_half_gap(values, bits):
+    x = torch.tensor(values, dtype=torch.float32)
+    out = decode(encode(x, bits))
+    assert out.shape == x.shape
+    if x.numel():
+        assert (out - x).abs().max() <= gap_of(x, bits) / 2 + slack(x)
+        assert out.min() >= x.min() and out.max() <= x.max()
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=finite_lists, bits=st.sampled_from(BITS), seed=st.integers(0, 2**31))
+def test_stochastic_round_trip_within_one_gap(values, bits, seed):
+    x = torch.tensor(values, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    out = decode(encode(x, bits, stochastic=True, generator=g))
+    assert out.shape == x.shape
+    if x.numel():
+        assert (out - x).abs().max() <= gap_of(x, bits) + slack(x)
+
+
+def test_stochastic_is_reproducible_from_a_seeded_generator():
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    a = encode(x, 2, stochastic=True, generator=torch.Generator().manual_seed(7))
+    b = encode(x, 2, stochastic=True, generator=torch.Generator().manual_seed(7))
+    c = encode(x, 2, stochastic=True, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_stochastic_rounding_is_unbiased(bits):
+    """Mean of K independent stochastic decodes is within 4 standard errors of x.
+
+    A single decode of x is lower + gap * Bernoulli(p), p the fractional level, so its
+    standard deviation is gap * sqrt(p (1 - p)); the mean of K has that over sqrt(K).
+    """
+    k, n = 4000, 64
+    x = torch.randn(n, generator=torch.Generator().manual_seed(bits))
+    g = torch.Generator().manual_seed(100 + bits)
+    buf = encode_chunks(x.expand(k, n), bits, stochastic=True, generator=g)
+    mean = decode_chunks(buf, k).double().mean(0)
+    gap = gap_of(x, bits)
+    t = (x.double() - x.min().double()) / gap
+    p = t - t.floor()
+    se = gap * torch.sqrt(p * (1 - p)) / math.sqrt(k)
+    err = (mean - x.double()).abs()
+    assert (err <= 4 * se + 1e-5 * gap).all(), float((err / (se + 1e-12)).max())
+    # and nearest rounding is biased on the same data (so the check has teeth)
+    nearest = decode(encode(x, bits)).double()
+    assert (nearest - x.double()).abs().max() > 10 * se.max()
+
+
+# ------------------------------------------------------- constants, edges, dtypes
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("value", [0.0, 1.5, -3.25e-7, 6.0e37])
+@pytest.mark.parametrize("n", [1, 3, 8, 17])
+def test_constant_tensor_round_trips_exactly(bits, value, n):
+    x = torch.full((n,), value)
+    buf = encode(x, bits)
+    assert header(buf)[2] == header(buf)[3] == float(x[0])
+    assert buf[HEADER_BYTES:].eq(0).all()
+    assert torch.equal(decode(buf), x)
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(decode(encode(x, bits, stochastic=True, generator=g)), x)
+
+
+def test_empty_tensor():
+    for bits in BITS:
+        buf = encode(torch.empty(0), bits)
+        assert header(buf) == (bits, 0, 0.0, 0.0) and buf.numel() == HEADER_BYTES
+        assert decode(buf).shape == (0,)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nan_and_inf_refused(bad):
+    x = torch.tensor([1.0, bad, 2.0])
+    with pytest.raises(ValueError, match="tensor has NaN/inf values"):
+        encode(x, 4)
+    with pytest.raises(ValueError, match="chunk 1 has NaN/inf values"):
+        encode_chunks(torch.stack([torch.ones(3), x]), 4)
+    with pytest.raises(ValueError, match="chunk 1 has NaN/inf values"):
+        encode_chunks([torch.ones(5), x], 4)
+
+
+def test_float64_outside_float32_range_refused():
+    with pytest.raises(ValueError, match="outside the float32 range"):
+        encode(torch.tensor([1.0, 1e300], dtype=torch.float64), 8)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_range_overflowing_float32_still_works(bits):
+    x = torch.tensor([3e38, -3e38, 0.0, 1e38, -2e38])
+    out = decode(encode(x, bits))
+    assert torch.isfinite(out).all()
+    assert (out.double() - x.double()).abs().max() <= (6e38 / ((1 << bits) - 1)) / 2 * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("bits", BITS)
+def test_other_float_dtypes(dtype, bits):
+    x = torch.randn(37, generator=torch.Generator().manual_seed(3)).to(dtype)
+    buf = encode(x, bits)
+    assert torch.equal(buf, encode(x.float(), bits))
+    assert header(buf)[2:] == (float(x.min()), float(x.max()))
+    out = decode(buf)
+    assert out.dtype == torch.float32
+    assert (out - x.float()).abs().max() <= gap_of(x, bits) / 2 + slack(x)
+
+
+def test_shape_is_flattened():
+    x = torch.randn(3, 5, 2)
+    assert torch.equal(encode(x, 4), encode(x.reshape(-1), 4))
+    assert decode(encode(x, 4)).shape == (30,)
+
+
+# ------------------------------------------------------------------ batched form
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    n=st.integers(0, 19),
+    bits=st.sampled_from(BITS),
+    seed=st.integers(0, 2**31),
+)
+def test_batched_equals_per_chunk(rows, n, bits, seed):
+    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(seed))
+    if rows > 1:
+        x[1] = 2.5  # a constant chunk among the others
+    expected = torch.cat([encode(r, bits) for r in x])
+    assert torch.equal(encode_chunks(x, bits), expected)
+    assert torch.equal(encode_chunks(list(x), bits), expected)
+    assert expected.numel() == rows * encoded_size(n, bits)
+    decoded = decode_chunks(expected, rows)
+    assert decoded.shape == (rows, n)
+    assert torch.equal(decoded, torch.stack([decode(encode(r, bits)) for r in x]))
+    as_list = decode_chunks(expected, [n] * rows)
+    assert len(as_list) == rows and all(torch.equal(a, b) for a, b in zip(as_list, decoded))
+
+
+def test_batched_unequal_chunks():
+    g = torch.Generator().manual_seed(5)
+    chunks = [torch.randn(n, generator=g) for n in (5, 0, 13, 1)]
+    buf = encode_chunks(chunks, 2)
+    assert torch.equal(buf, torch.cat([encode(c, 2) for c in chunks]))
+    out = decode_chunks(buf, [5, 0, 13, 1])
+    assert [o.numel() for o in out] == [5, 0, 13, 1]
+    for o, c in zip(out, chunks):
+        assert torch.equal(o, decode(encode(c, 2)))
+    with pytest.raises(ValueError, match="bytes left|expected|needs"):
+        decode_chunks(buf, [5, 0, 13])
+    with pytest.raises(ValueError, match="equal chunks"):
+        decode_chunks(buf, 3)
+
+
+def test_batched_stochastic_is_reproducible_and_mixed_dtypes():
+    x = torch.randn(4, 50, generator=torch.Generator().manual_seed(2))
+    a = encode_chunks(x, 4, stochastic=True, generator=torch.Generator().manual_seed(3))
+    b = encode_chunks(x, 4, stochastic=True, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, b)
+    mixed = [x[0].half(), x[1], x[2].bfloat16(), x[3].double()]
+    assert torch.equal(
+        encode_chunks(mixed, 4), torch.cat([encode(c, 4) for c in mixed])
+    )
+
+
+# ------------------------------------------------------------- corrupted buffers
+
+
+def make(bits=2, tail=1, mn=-5.0, mx=7.0, payload=(39, 104)):
+    return torch.tensor(list(struct.pack("<BBff", bits, tail, mn, mx)) + list(payload), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize(
+    "buf, message",
+    [
+        (make(bits=3), "bit width 3"),
+        (make(bits=0), "bit width 0"),
+        (make(bits=16), "bit width 16"),
+        (make(tail=4), "tail 4 must be below 4"),
+        (make(bits=8, tail=1), "tail 1 must be below 1"),
+        (make(mn=8.0), "min 8.0 > max 7.0"),
+        (make(mn=float("nan")), "not finite"),
+        (make(mx=float("inf")), "not finite"),
+        (make(payload=(39, 105)), "unused slots"),
+        (make(payload=()), "empty payload"),
+        (make()[:9], "shorter than the 10-byte header"),
+    ],
+)
+def test_corrupted_buffer_refused(buf, message):
+    with pytest.raises(ValueError, match=message):
+        decode(buf)
+
+
+def test_decode_checks_buffer_type():
+    with pytest.raises(TypeError, match="uint8"):
+        decode(torch.zeros(12))
+    with pytest.raises(ValueError, match="1-D"):
+        decode(torch.zeros(2, 12, dtype=torch.uint8))
+
+
+def test_decode_chunks_refuses_mismatched_chunks():
+    a = encode(torch.randn(8), 2)
+    b = encode(torch.randn(16), 1)  # same byte length, different bit width
+    assert a.numel() == b.numel()
+    with pytest.raises(ValueError, match="chunk 1: bit width / tail"):
+        decode_chunks(torch.cat([a, b]), 2)
+    bad = torch.cat([a, make(bits=5, payload=(0, 0))])
+    with pytest.raises(ValueError, match="chunk 1: corrupt header, bit width 5"):
+        decode_chunks(bad, 2)
+
+
+# -------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("bits", BITS)
+def test_cuda_matches_cpu(bits):
+    x = torch.randn(4, 1001, generator=torch.Generator().manual_seed(bits))
+    cpu = encode_chunks(x, bits)
+    gpu = encode_chunks(x.cuda(), bits)
+    assert gpu.device.type == "cuda"
+    # float32 division is correctly rounded on both, so the bytes agree
+    assert torch.equal(gpu.cpu(), cpu)
+    out = decode_chunks(gpu, 4)
+    assert out.device.type == "cuda"
+    assert torch.equal(out.cpu(), decode_chunks(cpu, 4))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    s = decode(encode(x[0].cuda(), bits, stochastic=True, generator=g))
+    assert s.device.type == "cuda" and (s.cpu() - x[0]).abs().max() <= gap_of(x[0], bits) * 1.001

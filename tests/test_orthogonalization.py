@@ -1,0 +1,110 @@
+"""The pure-torch orthogonalization methods PowerSGD uses (no process group)."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from bagua_algos.compression.orthogonalization import (
+    METHODS,
+    cholesky_qr2,
+    gram_schmidt,
+    orthogonalize,
+    orthogonalize_batch,
+    torch_qr,
+)
+
+PURE = ["gram_schmidt", "cholesky_qr2", "torch_qr"]
+
+
+def _orthonormality_error(q: torch.Tensor) -> float:
+    q = q.double()
+    return (q.T @ q - torch.eye(q.shape[1], dtype=torch.float64)).abs().max().item()
+
+
+def _same_span(a: torch.Tensor, q: torch.Tensor) -> float:
+    """Largest residual of a's columns after projecting onto span(q), relative."""
+    a, q = a.double(), q.double()
+    residual = a - q @ (q.T @ a)
+    return (residual.norm() / a.norm().clamp_min(1e-300)).item()
+
+
+@pytest.mark.parametrize("method", PURE)
+@given(m=st.integers(1, 40), r=st.integers(1, 8), seed=st.integers(0, 2**16), scale=st.sampled_from([1e-6, 1.0, 1e4]))
+@settings(max_examples=40, deadline=None)
+def test_full_rank_gives_orthonormal_columns_spanning_the_input(method, m, r, seed, scale):
+    r = min(r, m)
+    a = torch.randn(m, r, generator=torch.Generator().manual_seed(seed)) * scale
+    (q,) = orthogonalize([a], method)
+    assert q.shape == a.shape and q.dtype == a.dtype
+    assert _orthonormality_error(q) <= 1e-5
+    assert _same_span(a, q) <= 1e-5
+
+
+@pytest.mark.parametrize("method", PURE)
+def test_zero_and_rank_deficient_give_no_nan(method):
+    zero = torch.zeros(7, 3)
+    deficient = torch.randn(7, 1).repeat(1, 3)  # rank 1
+    with_zero_column = torch.randn(7, 3)
+    with_zero_column[:, 1] = 0
+    for a in (zero, deficient, with_zero_column):
+        (q,) = orthogonalize([a], method)
+        assert torch.isfinite(q).all()
+        assert _same_span(a, q) <= 1e-5 if a.abs().sum() > 0 else True
+
+
+def test_gram_schmidt_zero_matrix_is_zero():
+    assert gram_schmidt(torch.zeros(2, 5, 2)).abs().max() == 0
+
+
+@pytest.mark.parametrize("method", PURE)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_computes_in_float32(method, dtype):
+    a = torch.randn(3, 30, 4).to(dtype)
+    q = orthogonalize_batch(a, method)
+    assert q.dtype == dtype
+    assert _orthonormality_error(q[0].float()) <= 2e-2
+
+
+def test_mixed_shapes_keep_order_and_non_contiguous_inputs_work():
+    base = torch.randn(20, 12)
+    inputs = [torch.randn(9, 2), base[:, ::3], torch.randn(9, 2).double(), torch.randn(5, 5)]
+    assert not inputs[1].is_contiguous()
+    outputs = orthogonalize(inputs, "cholesky_qr2")
+    for a, q in zip(inputs, outputs):
+        assert q.shape == a.shape and q.dtype == a.dtype
+        assert _orthonormality_error(q) <= 1e-5
+        assert _same_span(a, q) <= 1e-5
+
+
+def test_methods_agree_on_the_span():
+    a = torch.randn(4, 50, 3, dtype=torch.float64)
+    spans = [fn(a) for fn in (gram_schmidt, cholesky_qr2, torch_qr)]
+    for q in spans[1:]:
+        # Same column space: the projectors agree.
+        assert torch.allclose(q @ q.transpose(1, 2), spans[0] @ spans[0].transpose(1, 2), atol=1e-10)
+
+
+def test_householder_falls_back_or_matches_torch_qr():
+    a = torch.randn(3, 16, 2)
+    q = orthogonalize_batch(a, "householder")
+    assert _orthonormality_error(q[1]) <= 1e-5
+    assert _same_span(a[1], q[1]) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: orthogonalize([torch.randn(3, 2)], "qr"), "orthogonalization must be one of"),
+        (lambda: orthogonalize([torch.randn(2, 3)]), "no more columns than rows"),
+        (lambda: orthogonalize([torch.randn(3)]), r"matrices\[0\] must be a 2-D"),
+        (lambda: orthogonalize([torch.randn(3, 2)], epsilon=-1.0), "epsilon must be a finite number"),
+        (lambda: orthogonalize_batch(torch.randn(3, 2)), "batch must be a 3-D"),
+    ],
+)
+def test_bad_input_is_named(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_methods_listed():
+    assert set(METHODS) == {"auto", "gram_schmidt", "cholesky_qr2", "torch_qr", "householder"}

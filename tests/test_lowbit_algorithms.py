@@ -261,3 +261,154 @@ def test_bytes_sent_per_collective(ops_results):
         assert c["send_recv"] == (f if r == 0 else 0)
         assert c["barrier"] == 0
         assert ops_results[r]["reset"] == (True, 0)
+
+
+# ------------------------------------------------------------- 2 workers, training
+
+TRAIN_N = 2
+EPOCHS = 3
+BATCH = 32
+
+
+def _digits():
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data / 16.0, dtype=torch.float32)
+    y = torch.tensor(d.target, dtype=torch.int64)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    test, train = perm[:360], perm[360:]
+    return x[train], y[train], x[test], y[test]
+
+
+def _mlp():
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+
+def _setup(kind, model):
+    from bagua_algos import algorithms as A
+
+    sys.path.insert(0, __import__("bagua_algos.compat", fromlist=["compat_path"]).compat_path())
+    import bagua_idiom_lowbit as idiom
+
+    sgd = lambda: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+    if kind in ("qadam", "idiom_qadam"):
+        opt = A.QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=8)
+        algo = A.QAdamAlgorithm(opt, hierarchical=False) if kind == "qadam" else idiom.IdiomQAdam(opt, hierarchical=False)
+        return algo, opt
+    algorithms = {
+        "gradient_allreduce": lambda: A.GradientAllReduceAlgorithm(),
+        "terngrad2": lambda: A.TernGradAlgorithm(bits=2),
+        "terngrad2_ef_clip": lambda: A.TernGradAlgorithm(bits=2, error_feedback=True, clip=2.5, seed=3),
+        "terngrad4_nearest": lambda: A.TernGradAlgorithm(bits=4, stochastic=False),
+        "bytegrad": lambda: A.ByteGradAlgorithm(hierarchical=False),
+        "idiom_bytegrad": lambda: idiom.IdiomByteGrad(hierarchical=False),
+        "lpd": lambda: A.LowPrecisionDecentralizedAlgorithm(hierarchical=False),
+        "idiom_lpd": lambda: idiom.IdiomLowPrecisionDecentralized(hierarchical=False),
+    }
+    return algorithms[kind](), sgd()
+
+
+def _steps(rank, n, epochs):
+    x, y, _, _ = _digits()
+    mine = torch.arange(rank, len(x), n)
+    for epoch in range(epochs):
+        order = mine[torch.randperm(len(mine), generator=torch.Generator().manual_seed(epoch))]
+        for i in range(0, len(order) - BATCH + 1, BATCH):
+            idx = order[i:i + BATCH]
+            yield x[idx], y[idx]
+
+
+def _run(model, opt, batches):
+    losses = []
+    for bx, by in batches:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(bx), by)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _train_worker(rank, n):
+    out = {}
+    _, _, tx, ty = _digits()
+    for kind in ("gradient_allreduce", "terngrad2", "terngrad2_ef_clip", "terngrad4_nearest", "bytegrad",
+                 "idiom_bytegrad", "lpd", "idiom_lpd", "qadam", "idiom_qadam"):
+        model = _mlp()
+        algo, opt = _setup(kind, model)
+        model = model.with_bagua([opt], algo)
+        losses = _run(model, opt, _steps(rank, n, EPOCHS))
+        with torch.no_grad():
+            accuracy = float((model(tx).argmax(1) == ty).float().mean())
+        out[kind] = {"losses": losses, "accuracy": accuracy, "params": _flat(model)}
+
+    # resume: 10 steps, checkpoint, 10 more; then a fresh wrap loads it and runs the 10 again
+    for kind in ("terngrad2", "terngrad2_ef_clip", "bytegrad", "lpd", "qadam"):
+        batches = list(_steps(rank, n, 1))[:20]
+        model = _mlp()
+        algo, opt = _setup(kind, model)
+        model = model.with_bagua([opt], algo)
+        _run(model, opt, batches[:10])
+        saved = copy.deepcopy((model.state_dict(), opt.state_dict(), model.bagua_state_dict()))
+        _run(model, opt, batches[10:])
+        straight = _flat(model)
+        model2 = _mlp()
+        algo2, opt2 = _setup(kind, model2)
+        model2 = model2.with_bagua([opt2], algo2)
+        model2.load_state_dict(saved[0])
+        opt2.load_state_dict(saved[1])
+        model2.load_bagua_state_dict(saved[2])
+        _run(model2, opt2, batches[10:])
+        out[("resume", kind)] = (straight, _flat(model2), sorted(saved[2]["algorithm_state"]),
+                                 sorted(k for b in saved[2]["bucket_state"].values() for k in b))
+    return out
+
+
+@pytest.fixture(scope="module")
+def train_results():
+    return run_workers(_train_worker, TRAIN_N, timeout=300)
+
+
+TRAINED = ("gradient_allreduce", "terngrad2", "terngrad2_ef_clip", "terngrad4_nearest", "bytegrad", "lpd", "qadam")
+
+
+@pytest.mark.parametrize("kind", TRAINED)
+def test_each_algorithm_trains_the_digits(train_results, kind):
+    for r in range(TRAIN_N):
+        res = train_results[r][kind]
+        first, last = sum(res["losses"][:5]) / 5, sum(res["losses"][-5:]) / 5
+        assert last < 0.5 * first, (kind, first, last)
+        assert res["accuracy"] >= 0.85, (kind, res["accuracy"])
+    if kind != "lpd":  # centralized algorithms keep one model
+        assert torch.equal(train_results[0][kind]["params"], train_results[1][kind]["params"]), kind
+
+
+@pytest.mark.parametrize("kind", ["bytegrad", "lpd", "qadam"])
+def test_baguas_own_algorithm_structure_trains_exactly_like_ours(train_results, kind):
+    for r in range(TRAIN_N):
+        assert torch.equal(train_results[r][kind]["params"], train_results[r]["idiom_" + kind]["params"]), (kind, r)
+
+
+@pytest.mark.parametrize("kind", ["terngrad2", "terngrad2_ef_clip", "bytegrad", "lpd", "qadam"])
+def test_resume_from_a_checkpoint_is_bit_for_bit(train_results, kind):
+    for r in range(TRAIN_N):
+        straight, resumed, algorithm_keys, bucket_keys = train_results[r][("resume", kind)]
+        assert torch.equal(straight, resumed), (kind, r, (straight - resumed).abs().max())
+    if kind.startswith("terngrad"):
+        assert algorithm_keys == ["generator_state"]
+    if kind == "terngrad2_ef_clip":
+        assert "terngrad_error" in bucket_keys
+    if kind == "lpd":
+        assert "low_precision_weight" in bucket_keys
+
+
+def test_the_quantized_algorithms_differ_from_exact_averaging(train_results):
+    exact = train_results[0]["gradient_allreduce"]["params"]
+    for kind in ("terngrad2", "terngrad2_ef_clip", "terngrad4_nearest", "bytegrad"):
+        assert not torch.equal(train_results[0][kind]["params"], exact), kind

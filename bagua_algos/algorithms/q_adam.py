@@ -5,7 +5,10 @@ Two phases, switched once the optimizer has taken ``warmup_steps`` steps:
 - warm-up (step s < warmup_steps): the gradients are averaged exactly (allreduce) and
   :class:`QAdamOptimizer` is Adam: m ← β1 m + (1−β1) g, v ← β2 v + (1−β2) g²,
   x ← x − lr/(1−β1^s) · m / (√(v/(1−β2^s)) + eps), with g = ḡ + wd·x;
-- compression (s ≥ warmup_steps): v is frozen; each worker updates its momentum with
+- compression (s ≥ warmup_steps): v is frozen, and so is v̂ = v/(1−β2^s) (its bias
+  correction stays at the last warm-up step; Bagua 0.9.2 keeps raising 1−β2^s, which
+  shrinks v̂ and so grows the step size without bound: with a short warm-up training
+  diverges); each worker updates its momentum with
   its *local* gradient, m_i ← β1 m + (1−β1)(g_i + wd·x), and the momenta are averaged
   through Bagua's MinMaxUInt8 scatter-gather (8 bits), m ← ≈ (1/n) Σ_i m_i; the
   optimizer then applies the same Adam update with that m.
@@ -52,9 +55,10 @@ class QAdamOptimizer(Optimizer):
     Args:
         params: parameters or parameter groups.
         lr: learning rate (>= 0).
-        warmup_steps: steps of exact gradient averaging and full Adam before the
-            momentum is compressed (an int >= 1; v is estimated during these steps
-            only, so give it enough of them).
+        warmup_steps: the momentum is compressed from optimizer step warmup_steps
+            on; steps before it average gradients exactly and run full Adam (an int
+            >= 2: v is estimated during those steps only, so give it enough of them;
+            Bagua accepts 1, which leaves v at zero).
         betas: (β1, β2), each in [0, 1).
         eps: added to the denominator (>= 0).
         weight_decay: L2 penalty added to the gradient (>= 0).
@@ -69,8 +73,11 @@ class QAdamOptimizer(Optimizer):
             raise ValueError(f"betas must be a pair (beta1, beta2), each in [0, 1), got {betas!r}")
         _check_real("betas[0]", betas[0], 0.0, 1.0, high_open=True)
         _check_real("betas[1]", betas[1], 0.0, 1.0, high_open=True)
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
-            raise ValueError(f"warmup_steps must be an int >= 1, got {warmup_steps!r}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 2:
+            raise ValueError(
+                f"warmup_steps must be an int >= 2 (v is estimated on steps 1 .. warmup_steps - 1 only; "
+                f"with fewer Adam would divide by eps), got {warmup_steps!r}"
+            )
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.warmup_steps = warmup_steps
@@ -97,8 +104,11 @@ class QAdamOptimizer(Optimizer):
                     grad = param.grad if wd == 0 else param.grad.add(param, alpha=wd)
                     state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
                     state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                # After the warm-up exp_avg is the compressed average the algorithm made.
-                denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
+                # After the warm-up exp_avg is the compressed average the algorithm made,
+                # and v̂ stays what it was at the last update (v frozen, its bias
+                # correction too).
+                v_step = min(step, self.warmup_steps - 1)
+                denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** v_step)).add_(eps)
                 param.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
         return loss
 

@@ -44,6 +44,8 @@ DEFAULT_CONFIGS = ";".join([
     "relay:topology=chain",
     "relay:topology=binary_tree",
     "relay:topology=double_binary_tree",
+    "terngrad:bits=2",
+    "bytegrad:hierarchical=false",
 ])
 
 

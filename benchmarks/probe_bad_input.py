@@ -157,7 +157,6 @@ from bagua_algos.algorithms import (  # noqa: E402
     GradientAllReduceAlgorithm,
     RelayAlgorithm,
 )
-from bagua_algos.algorithms import unavailable  # noqa: E402
 from bagua_algos.runtime.algorithm import Algorithm  # noqa: E402
 
 add("ga_average_string", 'GradientAllReduceAlgorithm(average="false") (a flag read from a config file)',
@@ -189,10 +188,6 @@ add("async_interval_negative", "AsyncModelAverageAlgorithm(sync_interval_ms=-1)"
     ValueError, "sync_interval_ms must be an int >= 0", lambda: AsyncModelAverageAlgorithm(sync_interval_ms=-1))
 add("async_warmup_string", 'AsyncModelAverageAlgorithm(warmup_steps="x")',
     ValueError, "warmup_steps must be an int >= 0", lambda: AsyncModelAverageAlgorithm(warmup_steps="x"))
-add("bytegrad_unavailable", "ByteGradAlgorithm() (Bagua's 8-bit compressed allreduce)",
-    NotImplementedError, "MinMaxUInt8", lambda: unavailable.ByteGradAlgorithm())
-add("qadam_unavailable", "QAdamOptimizer(model.parameters(), lr=0.1)",
-    NotImplementedError, "MinMaxUInt8", lambda: unavailable.QAdamOptimizer(_model().parameters(), lr=0.1))
 
 
 # -------------------------------------------------------------------- tensors, buckets
@@ -215,9 +210,6 @@ add("bucket_alignment_zero", "BaguaBucket(tensors, ..., alignment=0)",
 add("bucket_mixed_dtypes", "BaguaBucket([float32 tensor, float64 tensor], ...)",
     ValueError, "must share dtype and device",
     lambda: _bucket(_tensor("a", "mx"), _tensor("b", "mx", dtype=torch.float64)))
-add("op_compression_minmax", 'bucket.append_centralized_synchronous_op(compression="MinMaxUInt8")',
-    NotImplementedError, "compression='MinMaxUInt8' needs the MinMaxUInt8 codec",
-    lambda: _bucket().append_centralized_synchronous_op(compression="MinMaxUInt8"))
 add("op_compression_unknown", 'bucket.append_centralized_synchronous_op(compression="MinMaxUInt4") (other bits)',
     ValueError, "compression must be one of [None, 'MinMaxUInt8']",
     lambda: _bucket().append_centralized_synchronous_op(compression="MinMaxUInt4"))
@@ -227,9 +219,6 @@ add("op_peer_weight_size", "bucket.append_decentralized_synchronous_op(peer_weig
 add("op_peer_mode", 'bucket.append_decentralized_synchronous_op(peer_weight, peer_selection_mode="ring")',
     ValueError, "peer_selection_mode must be one of ['all', 'shift_one']",
     lambda: (lambda b: b.append_decentralized_synchronous_op(b.flattened_tensor(), peer_selection_mode="ring"))(_bucket()))
-add("op_low_precision", "bucket.append_low_precision_decentralized_synchronous_op(weight, left, right)",
-    NotImplementedError, "MinMaxUInt8",
-    lambda: (lambda b: b.append_low_precision_decentralized_synchronous_op(b.flattened_tensor(), None, None))(_bucket()))
 
 
 # ------------------------------------------------------------------------- topologies
@@ -316,11 +305,11 @@ def _(rank, n):
     _model().with_bagua([_sgd(_model())], GradientAllReduceAlgorithm())
 
 
-@dist_probe("wrap_unknown_algorithm_name", 'model.with_bagua([opt], "bytegrad")',
-            ValueError, "unknown algorithm 'bytegrad'; available algorithms:")
+@dist_probe("wrap_unknown_algorithm_name", 'model.with_bagua([opt], "signsgd")',
+            ValueError, "unknown algorithm 'signsgd'; available algorithms:")
 def _(rank, n):
     model = _model()
-    model.with_bagua([_sgd(model)], "bytegrad")
+    model.with_bagua([_sgd(model)], "signsgd")
 
 
 @dist_probe("wrap_do_flatten_string", 'model.with_bagua([opt], algorithm, do_flatten="false")',
@@ -519,6 +508,61 @@ for _name, _factory, _extra in (
         None, "values non-finite (NaN) on rank", _nan_probe(_factory, float("nan"), **_extra), distributed=True)
 add("inf_grad_gradient_allreduce", "the same with +inf under gradient_allreduce",
     None, "values non-finite", _nan_probe(GradientAllReduceAlgorithm, float("inf")), distributed=True)
+
+
+# --- low-bit ---
+
+from bagua_algos.runtime.backend import CommOpError  # noqa: E402
+from bagua_algos.algorithms import (  # noqa: E402
+    ByteGradAlgorithm,
+    LowPrecisionDecentralizedAlgorithm,
+    QAdamAlgorithm,
+    QAdamOptimizer,
+    TernGradAlgorithm,
+)
+
+add("terngrad_bits_three", "TernGradAlgorithm(bits=3)",
+    ValueError, "bits must be one of [1, 2, 4, 8], got 3", lambda: TernGradAlgorithm(bits=3))
+add("terngrad_bits_bool", "TernGradAlgorithm(bits=True)",
+    ValueError, "bits must be one of [1, 2, 4, 8], got True", lambda: TernGradAlgorithm(bits=True))
+add("terngrad_clip_negative", "TernGradAlgorithm(clip=-2.5)",
+    ValueError, "clip must be None (no clipping) or a finite number > 0", lambda: TernGradAlgorithm(clip=-2.5))
+add("terngrad_clip_nan", 'TernGradAlgorithm(clip=float("nan"))',
+    ValueError, "clip must be None (no clipping) or a finite number > 0", lambda: TernGradAlgorithm(clip=float("nan")))
+add("terngrad_stochastic_string", 'TernGradAlgorithm(stochastic="yes")',
+    TypeError, "stochastic must be True or False", lambda: TernGradAlgorithm(stochastic="yes"))
+add("terngrad_seed_negative", "TernGradAlgorithm(seed=-1)",
+    ValueError, "seed must be an int >= 0", lambda: TernGradAlgorithm(seed=-1))
+add("bytegrad_hierarchical_string", 'ByteGradAlgorithm(hierarchical="false")',
+    TypeError, "hierarchical must be True or False", lambda: ByteGradAlgorithm(hierarchical="false"))
+add("lpd_interval_zero", "LowPrecisionDecentralizedAlgorithm(communication_interval=0)",
+    ValueError, "communication_interval must be an int >= 1",
+    lambda: LowPrecisionDecentralizedAlgorithm(communication_interval=0))
+add("qadam_warmup_negative", "QAdamOptimizer(model.parameters(), warmup_steps=-1)",
+    ValueError, "warmup_steps must be an int >= 2", lambda: QAdamOptimizer(_model().parameters(), warmup_steps=-1))
+add("qadam_beta_one", "QAdamOptimizer(model.parameters(), betas=(0.9, 1.0))",
+    ValueError, "betas[1] must be a finite number >= 0.0 and < 1.0",
+    lambda: QAdamOptimizer(_model().parameters(), betas=(0.9, 1.0)))
+add("qadam_plain_adam", "QAdamAlgorithm(torch.optim.Adam(model.parameters()))",
+    TypeError, "q_adam_optimizer must be a QAdamOptimizer",
+    lambda: QAdamAlgorithm(torch.optim.Adam(_model().parameters())))
+add("op_compression_minmax_uint4", 'bucket.append_centralized_synchronous_op(compression="MinMaxUInt4")',
+    ValueError, "compression must be one of [None, 'MinMaxUInt8']",
+    lambda: _bucket().append_centralized_synchronous_op(compression="MinMaxUInt4"))
+add("op_low_precision_sizes", "bucket.append_low_precision_decentralized_synchronous_op(weight, None, None)",
+    ValueError, "left_peer_weight must be a tensor of the bucket's 4 elements",
+    lambda: (lambda b: b.append_low_precision_decentralized_synchronous_op(
+        b.flattened_tensor().ensure_bagua_tensor("w"), None, None, hierarchical=False))(_bucket()))
+
+
+@dist_probe("nan_grad_terngrad", "every rank's gradient of the first weight set to NaN, one step under TernGradAlgorithm()",
+            CommOpError, "has NaN/inf values")
+def _(rank, n):
+    model = _model()
+    model[0].weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+    opt = _sgd(model)
+    model.with_bagua([opt], TernGradAlgorithm())
+    _step(model, opt, rank)
 
 
 # ============================================================================ running

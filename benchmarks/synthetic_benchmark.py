@@ -222,10 +222,12 @@ def time_config(config: BenchConfig, args, data, target, world_size: int) -> dic
     for _ in range(args.warmup):
         step()
     bagua_algos.barrier()
+    comm.reset_bytes_sent()
     start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(args.steps):
         loss = step()
     cpu = time.process_time() - cpu_start
+    sent = comm.bytes_sent()  # bytes this worker handed to comm (torch DDP's are not seen)
     bagua_algos.barrier()
     elapsed = time.perf_counter() - start
     finish()
@@ -233,7 +235,10 @@ def time_config(config: BenchConfig, args, data, target, world_size: int) -> dic
     comm.allreduce_inplace(slowest, comm.ReduceOp.MAX)
     cpu_total = torch.tensor([cpu], dtype=torch.float64)
     comm.allreduce_inplace(cpu_total, comm.ReduceOp.SUM)
-    return {"elapsed_s": float(slowest.item()), "cpu_s": float(cpu_total.item()), "loss": float(loss.item())}
+    sent_mean = torch.tensor([float(sent)], dtype=torch.float64)
+    comm.allreduce_inplace(sent_mean, comm.ReduceOp.SUM)
+    return {"elapsed_s": float(slowest.item()), "cpu_s": float(cpu_total.item()), "loss": float(loss.item()),
+            "bytes_per_step": None if config.is_ddp else sent_mean.item() / world_size / args.steps}
 
 
 def summarize(configs, per_round: dict, cpu_per_round: dict, args, world_size: int) -> list[dict]:
@@ -272,7 +277,7 @@ def summarize(configs, per_round: dict, cpu_per_round: dict, args, world_size: i
 def format_table(rows: list[dict], baseline: str) -> str:
     headers = ["config", "images/s", "ms/step", "ms/step min-max",
                "step-time ratio", "images/s ratio", "paired step-time ratio",
-               "CPU ms/step", "CPU-time ratio"]
+               "CPU ms/step", "CPU-time ratio", "bytes sent/step", "bytes ratio"]
     body = []
     for r in rows:
         body.append([
@@ -285,6 +290,8 @@ def format_table(rows: list[dict], baseline: str) -> str:
             f"{r['step_time_ratio_paired']:.3f}",
             f"{r['cpu_ms_per_step']:.1f}",
             f"{r['cpu_time_ratio']:.3f}",
+            "n/a" if r.get("bytes_per_step") is None else f"{r['bytes_per_step']:.0f}",
+            "n/a" if r.get("bytes_ratio") is None else f"{r['bytes_ratio']:.4f}",
         ])
     widths = [max(len(h), *(len(line[i]) for line in body)) for i, h in enumerate(headers)]
     lines = [
@@ -304,6 +311,10 @@ def format_table(rows: list[dict], baseline: str) -> str:
     lines.append(
         "CPU ms/step = CPU time of a step summed over all workers (all threads); "
         "CPU-time ratio = config / baseline."
+    )
+    lines.append(
+        "bytes sent/step = bytes a worker hands to bagua_algos' collectives per step (comm.bytes_sent(), "
+        "mean over workers; n/a for torch DDP); bytes ratio = config / baseline."
     )
     return "\n".join(lines)
 
@@ -354,6 +365,7 @@ def run_worker(args, configs) -> None:
         per_round: dict[str, list[float]] = {c.spec: [] for c in configs}
         cpu_per_round: dict[str, list[float]] = {c.spec: [] for c in configs}
         losses: dict[str, float] = {}
+        sent_per_step: dict = {}
         for r in range(args.rounds):
             # odd rounds run the configs in reverse (A B, B A, ...): a slow drift of the
             # machine's load then favours no config
@@ -362,6 +374,7 @@ def run_worker(args, configs) -> None:
                 per_round[config.spec].append(result["elapsed_s"])
                 cpu_per_round[config.spec].append(result["cpu_s"])
                 losses[config.spec] = result["loss"]
+                sent_per_step[config.spec] = result["bytes_per_step"]
                 ms = 1000.0 * result["elapsed_s"] / args.steps
                 say(f"{PROG}: round {r + 1}/{args.rounds} {config.spec}: {ms:.1f} ms/step, "
                     f"{world_size * args.batch_size * args.steps / result['elapsed_s']:.1f} images/s, "
@@ -371,6 +384,9 @@ def run_worker(args, configs) -> None:
         rows = summarize(configs, per_round, cpu_per_round, args, world_size)
         for row in rows:
             row["final_loss"] = losses[row["config"]]
+            row["bytes_per_step"] = sent_per_step[row["config"]]
+            base_sent = sent_per_step[configs[0].spec]
+            row["bytes_ratio"] = row["bytes_per_step"] / base_sent if row["bytes_per_step"] and base_sent else None
         say("")
         say(format_table(rows, configs[0].spec), flush=True)
         if rank == 0 and args.out:

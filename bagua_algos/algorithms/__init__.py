@@ -2,20 +2,33 @@
 
 from .allreduce_average import AllreduceAverageAlgorithm, AllreduceAverageAlgorithmImpl
 from .async_model_average import AsyncModelAverageAlgorithm, AsyncModelAverageAlgorithmImpl
+from .bytegrad import ByteGradAlgorithm, ByteGradAlgorithmImpl
 from .decentralized import DecentralizedAlgorithm, DecentralizedAlgorithmImpl, shift_one_peer
 from .gradient_allreduce import GradientAllReduceAlgorithm, GradientAllReduceAlgorithmImpl
+from .low_precision_decentralized import LowPrecisionDecentralizedAlgorithm, LowPrecisionDecentralizedAlgorithmImpl
+from .q_adam import QAdamAlgorithm, QAdamAlgorithmImpl, QAdamOptimizer
 from .relay import RelayAlgorithm, RelayAlgorithmImpl
+from .terngrad import TernGradAlgorithm, TernGradAlgorithmImpl
 
 __all__ = [
     "AllreduceAverageAlgorithm",
     "AllreduceAverageAlgorithmImpl",
     "AsyncModelAverageAlgorithm",
     "AsyncModelAverageAlgorithmImpl",
+    "ByteGradAlgorithm",
+    "ByteGradAlgorithmImpl",
     "DecentralizedAlgorithm",
     "DecentralizedAlgorithmImpl",
     "GradientAllReduceAlgorithm",
     "GradientAllReduceAlgorithmImpl",
+    "LowPrecisionDecentralizedAlgorithm",
+    "LowPrecisionDecentralizedAlgorithmImpl",
+    "QAdamAlgorithm",
+    "QAdamAlgorithmImpl",
+    "QAdamOptimizer",
     "RelayAlgorithm",
     "RelayAlgorithmImpl",
+    "TernGradAlgorithm",
+    "TernGradAlgorithmImpl",
     "shift_one_peer",
 ]

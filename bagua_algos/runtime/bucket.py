@@ -13,14 +13,17 @@ backend's communication thread once every tensor of the bucket is marked ready
 
 - ``append_python_op(fn, group)``: ``fn(bucket_name)``;
 - ``append_centralized_synchronous_op(hierarchical, average, scattergather,
-  compression, group)``: allreduce (sum or mean) of the bucket;
+  compression, group)``: allreduce (sum or mean) of the bucket; with
+  ``compression="MinMaxUInt8"`` an 8-bit min-max compressed scatter-gather;
 - ``append_decentralized_synchronous_op(peer_weight, hierarchical,
   peer_selection_mode, group)``: gossip the weights into ``peer_weight``; returns the
   op, whose ``copy_back_peer_weight(bucket)`` writes the result back;
 - ``append_asynchronous_model_average_op(peer_selection_mode, group)``: one round of
   background model averaging; returns the op (``lock_weight`` / ``unlock_weight``);
-- ``append_low_precision_decentralized_synchronous_op(...)``: refused until the
-  MinMaxUInt8 codec exists.
+- ``append_low_precision_decentralized_synchronous_op(weight, left_peer_weight,
+  right_peer_weight, hierarchical, compression, group)``: one step of Bagua's
+  low-precision decentralized SGD on a ring (compressed weight differences); returns
+  the op.
 
 ``bucket.state`` is the home of an algorithm's per-bucket state (error buffers,
 warm-start factors, ...): ``module.bagua_state_dict()`` saves it and
@@ -235,7 +238,10 @@ class BaguaBucket:
 
         ``hierarchical``: within each node first, then across nodes. ``scattergather``:
         a reduce-scatter then an all-gather instead of one allreduce. ``compression``:
-        ``None`` (``"MinMaxUInt8"`` is not available yet).
+        ``None`` or ``"MinMaxUInt8"``: Bagua's 8-bit min-max quantized scatter-gather
+        (chunks compressed, all-to-all, each worker reduces its chunk, compresses it,
+        all-gather; see :func:`.ops.compressed_scatter_gather`), which is used whatever
+        ``scattergather`` says, as in Bagua.
         """
         self._ops.append(ops.CentralizedSynchronousOp(hierarchical, average, scattergather, compression, group))
         return self
@@ -261,13 +267,19 @@ class BaguaBucket:
         return op
 
     def append_low_precision_decentralized_synchronous_op(
-        self, weight, left_peer_weight, right_peer_weight, hierarchical: bool = True,
-        compression: str = "MinMaxUInt8", group=None,
-    ):
-        raise NotImplementedError(
-            "append_low_precision_decentralized_synchronous_op needs the MinMaxUInt8 codec, which this "
-            "version of bagua-algos does not have yet (low_precision_decentralized is not available)"
-        )
+        self, weight: BaguaTensor, left_peer_weight: BaguaTensor, right_peer_weight: BaguaTensor,
+        hierarchical: bool = True, compression: str = "MinMaxUInt8", group=None,
+    ) -> "ops.LowPrecisionDecentralizedSynchronousOp":
+        """Average the bucket's weights with the ring neighbours by exchanging 8-bit
+        compressed weight differences (Bagua's low-precision decentralized SGD; see
+        :class:`.ops.LowPrecisionDecentralizedSynchronousOp`). ``weight``,
+        ``left_peer_weight`` and ``right_peer_weight`` hold this worker's and its two
+        neighbours' shared copies (each ``bucket.flattened_tensor()`` at set-up).
+        Returns the op."""
+        op = ops.LowPrecisionDecentralizedSynchronousOp(
+            self, weight, left_peer_weight, right_peer_weight, hierarchical, compression, group)
+        self._ops.append(op)
+        return op
 
     def append_asynchronous_model_average_op(self, peer_selection_mode: str = "all", group=None) -> "ops.AsyncModelAverageOp":
         """One round of model averaging with the other workers of ``group``, meant to run

@@ -49,6 +49,30 @@ is asked for (or :func:`intra_node_group` / :func:`inter_node_group` /
 also be made by every process of the job. Every group created here carries the
 timeout given to :func:`init_process_group`, so a silent peer becomes an error
 after that timeout instead of a hang.
+
+Bytes on the wire
+-----------------
+:func:`bytes_sent` is a per-process counter of the bytes this worker hands to
+collectives and point-to-point sends (``reset_bytes_sent()`` sets it to 0). It is
+thread-safe (ops run on the communication thread) and counts, when a call is posted
+by a member of its communicator, the bytes of
+
+* ``allreduce`` / ``allreduce_inplace``: the tensor (what a worker contributes, the
+  same whatever algorithm the backend uses underneath);
+* ``hierarchical_allreduce_inplace``: the tensor once per level that has more than
+  one member (within the node, then across nodes);
+* ``broadcast``: the tensor on the source, 0 elsewhere;
+* ``reduce`` / ``reduce_inplace``: the tensor on every member but the destination;
+* ``allgather`` / ``allgather_inplace``: this member's own contribution (one chunk);
+* ``gather`` / ``gather_inplace``: this member's chunk on every member but the
+  destination; ``scatter`` / ``scatter_inplace``: on the source, the chunks for the
+  other members;
+* ``reduce_scatter`` / ``reduce_scatter_inplace``, ``alltoall`` /
+  ``alltoall_inplace``, ``alltoall_v`` / ``alltoall_v_inplace``: the chunks addressed
+  to the *other* members (the own chunk never leaves the process);
+* ``send``, ``start_neighbor_exchange`` / ``neighbor_exchange``: each tensor sent to
+  another rank (a pair with this process's own rank is a local copy: 0);
+* ``barrier``, ``all_gather_object``, receives: 0.
 """
 
 from __future__ import annotations
@@ -111,9 +135,40 @@ __all__ = [
     "hierarchical_allreduce_inplace",
     "neighbor_exchange",
     "start_neighbor_exchange",
+    "bytes_sent",
+    "reset_bytes_sent",
 ]
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+# ------------------------------------------------------------------ bytes on the wire
+
+_sent = {"bytes": 0, "lock": threading.Lock()}
+
+
+def _count(nbytes: int) -> None:
+    """Add ``nbytes`` to this process's counter of bytes handed to the network."""
+    with _sent["lock"]:
+        _sent["bytes"] += int(nbytes)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def bytes_sent() -> int:
+    """Bytes this process has handed to collectives and sends since the last
+    :func:`reset_bytes_sent` (what is counted: see the module's docstring)."""
+    with _sent["lock"]:
+        return _sent["bytes"]
+
+
+def reset_bytes_sent() -> int:
+    """Set the counter to 0; returns the count it had."""
+    with _sent["lock"]:
+        value, _sent["bytes"] = _sent["bytes"], 0
+        return value
 
 
 # torch 2.14 renamed the *_tensor collectives to *_single (and warns on the old names).
@@ -735,6 +790,7 @@ def allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm=No
     _check_tensor("tensor", tensor)
     op = _reduce_op(op, tensor)
     torch_op, finishers = _op_and_finish(op, c, tensor)
+    _count(_nbytes(tensor))
     work = dist.all_reduce(tensor, op=torch_op, group=c.torch_group, async_op=True)
     return _finish(CommHandle([work], finishers), async_op)
 
@@ -765,6 +821,8 @@ def broadcast(tensor: torch.Tensor, src: int = 0, comm=None, *, group=None, asyn
         return _skip(async_op)
     _check_tensor("tensor", tensor)
     src = _peer(c, local, src, "src")
+    if get_rank() == src:
+        _count(_nbytes(tensor))
     work = dist.broadcast(tensor, src=src, group=c.torch_group, async_op=True)
     return _finish(CommHandle([work]), async_op)
 
@@ -812,6 +870,7 @@ def _reduce_into(buffer: torch.Tensor, dst: int, op: ReduceOp, c: BaguaCommunica
     torch_op, finishers = _op_and_finish(op, c, buffer)
     if get_rank() != dst:
         finishers = []
+        _count(_nbytes(buffer))
     work = dist.reduce(buffer, dst=dst, op=torch_op, group=c.torch_group, async_op=True)
     return _finish(CommHandle([work], finishers), async_op)
 
@@ -831,6 +890,7 @@ def allgather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm=None, *
             f"recv_tensor must have nranks x send_tensor.numel() = {n} x {send_tensor.numel()} = "
             f"{n * send_tensor.numel()} elements for allgather, got {recv_tensor.numel()}"
         )
+    _count(_nbytes(send_tensor))
     work = _all_gather_single(recv_tensor.view(-1), send_tensor.reshape(-1).contiguous(), group=c.torch_group,
                               async_op=True)
     return _finish(CommHandle([work]), async_op)
@@ -849,6 +909,7 @@ def allgather_inplace(tensor: torch.Tensor, comm=None, *, group=None, async_op: 
     flat = tensor.view(-1)
     count = flat.numel() // n
     mine = flat[c.rank() * count:(c.rank() + 1) * count].clone()
+    _count(_nbytes(mine))
     work = _all_gather_single(flat, mine, group=c.torch_group, async_op=True)
     return _finish(CommHandle([work]), async_op)
 
@@ -874,6 +935,8 @@ def gather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, comm=
                 f"{n * send_tensor.numel()} elements on the dst rank, got {recv_tensor.numel()}"
             )
     chunks = list(recv_tensor.view(n, -1).unbind(0)) if at_dst else None
+    if not at_dst:
+        _count(_nbytes(send_tensor))
     work = dist.gather(send_tensor.reshape(-1).contiguous(), chunks, dst=dst, group=c.torch_group, async_op=True)
     return _finish(CommHandle([work]), async_op)
 
@@ -907,6 +970,7 @@ def gather_inplace(tensor: torch.Tensor, count: int, dst: int, comm=None, *, gro
         send, chunks = flat[me * count:(me + 1) * count].clone(), list(flat.view(n, count).unbind(0))
     else:
         send, chunks = flat, None
+        _count(_nbytes(send))
     work = dist.gather(send, chunks, dst=dst, group=c.torch_group, async_op=True)
     return _finish(CommHandle([work]), async_op)
 
@@ -932,6 +996,8 @@ def scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, src: int, comm
                 f"{n * recv_tensor.numel()} elements on the src rank, got {send_tensor.numel()}"
             )
     chunks = list(send_tensor.reshape(n, -1).contiguous().unbind(0)) if at_src else None
+    if at_src:
+        _count(_nbytes(recv_tensor) * (n - 1))
     work = dist.scatter(recv_tensor.view(-1), chunks, src=src, group=c.torch_group, async_op=True)
     return _finish(CommHandle([work]), async_op)
 
@@ -946,6 +1012,7 @@ def scatter_inplace(tensor: torch.Tensor, count: int, src: int, comm=None, *, gr
     src, n, at_src, flat = _rooted_inplace(c, local, tensor, count, src, "src")
     if at_src:
         out, chunks = torch.empty_like(flat[:count]), list(flat.view(n, count).unbind(0))
+        _count(_nbytes(out) * (n - 1))
     else:
         out, chunks = flat, None
     work = dist.scatter(out, chunks, src=src, group=c.torch_group, async_op=True)
@@ -970,6 +1037,7 @@ def reduce_scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: Red
         )
     op = _reduce_op(op, send_tensor)
     torch_op, finishers = _op_and_finish(op, c, recv_tensor)
+    _count(_nbytes(recv_tensor) * (n - 1))
     work = _reduce_scatter_single(recv_tensor.view(-1), send_tensor.reshape(-1).contiguous(), op=torch_op,
                                   group=c.torch_group, async_op=True)
     return _finish(CommHandle([work], finishers), async_op)
@@ -993,6 +1061,7 @@ def reduce_scatter_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, co
     out = torch.empty_like(flat[:count])
     torch_op, finishers = _op_and_finish(op, c, out)
     mine = flat[c.rank() * count:(c.rank() + 1) * count]
+    _count(_nbytes(out) * (n - 1))
     work = _reduce_scatter_single(out, flat, op=torch_op, group=c.torch_group, async_op=True)
     return _finish(CommHandle([work], finishers + [lambda: mine.copy_(out)]), async_op)
 
@@ -1016,6 +1085,8 @@ def alltoall(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm=None, *,
     send = send_tensor.reshape(-1)
     if send.data_ptr() == recv_tensor.data_ptr() or not send.is_contiguous():
         send = send.clone()
+    if n:
+        _count(_nbytes(send) // n * (n - 1))
     work = dist.all_to_all_single(recv_tensor.view(-1), send, group=c.torch_group, async_op=True)
     return _finish(CommHandle([work]), async_op)
 
@@ -1091,6 +1162,8 @@ def _alltoall_v(send, send_counts, send_displs, send_packed, recv, recv_counts, 
                 offset += k
 
         finishers.append(unpack)
+    me = c.rank()
+    _count(sum(k for j, k in enumerate(send_counts) if j != me) * send_buf.element_size())
     work = dist.all_to_all_single(recv_buf, send_buf, output_split_sizes=recv_counts, input_split_sizes=send_counts,
                                   group=c.torch_group, async_op=True)
     return _finish(CommHandle([work], finishers), async_op)
@@ -1114,6 +1187,7 @@ def send(tensor: torch.Tensor, dst: int, comm=None, *, group=None, async_op: boo
     dst = _peer(c, local, dst, "dst")
     if dst == get_rank():
         raise ValueError(f"dst={dst} is this process's own rank; send to another rank")
+    _count(_nbytes(tensor))
     work = dist.isend(tensor, dst=dst, group=c.torch_group)
     return _finish(CommHandle([work]), async_op)
 
@@ -1230,6 +1304,7 @@ def hierarchical_allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp
     node = _hierarchical_groups()
     intra, inter = node["intra"], node["private_inter"]
     finishers = [_divider(tensor, get_world_size())] if op == ReduceOp.AVG else []
+    _count(_nbytes(tensor) * ((intra.nranks() > 1) + (inter.nranks() > 1)))
     if intra.nranks() == 1 or inter.nranks() == 1:
         level = inter if intra.nranks() == 1 else intra
         works = [None if level.nranks() == 1 else
@@ -1285,6 +1360,7 @@ def start_neighbor_exchange(
         dst.copy_(src)
     send_items = [(p, t) for p, t in send_items if p != me]
     recv_items = [(p, t) for p, t in recv_items if p != me]
+    _count(sum(_nbytes(t) for _, t in send_items))
     if not (send_items or recv_items):
         return CommHandle()
     g = c.torch_group

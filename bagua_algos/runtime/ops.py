@@ -12,12 +12,16 @@ from typing import Optional
 
 import torch
 
+from ..compression import minmax
 from . import comm
 
 __all__ = [
     "PythonOp",
     "CentralizedSynchronousOp",
     "DecentralizedSynchronousOp",
+    "LowPrecisionDecentralizedSynchronousOp",
+    "compressed_scatter_gather",
+    "ring_peers",
     "AsyncModelAverageOp",
     "PEER_SELECTION_MODES",
     "COMPRESSIONS",
@@ -26,6 +30,54 @@ __all__ = [
 
 PEER_SELECTION_MODES = ("all", "shift_one")
 COMPRESSIONS = (None, "MinMaxUInt8")
+MINMAX_UINT8_BITS = 8  # Bagua's MinMaxUInt8: 256 levels between a chunk's min and max
+
+
+def compressed_scatter_gather(
+    flat: torch.Tensor,
+    bits: int,
+    average: bool,
+    group,
+    stochastic: bool = False,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """Reduce ``flat`` over ``group`` in place through the min-max codec (Bagua's
+    compressed scatter-gather), returning what this worker sent in the first stage.
+
+    With n members and ``flat`` padded with zeros to n equal chunks c_0 .. c_{n-1}:
+
+    1. each worker encodes every chunk (one header each): Q(c_j), j = 0 .. n-1;
+    2. all-to-all: worker k receives Q(c_k) of every worker i;
+    3. worker k decodes them and reduces its chunk: r_k = Σ_i D(Q(c_k^i)) (/ n with
+       ``average``), then encodes it again: Q(r_k);
+    4. all-gather of the Q(r_k); every worker decodes all n chunks into ``flat``.
+
+    Each value is quantized twice, so with nearest rounding the result differs from
+    the exact reduction by at most mean_i(gap_i)/2 + gap_r/2 per chunk (the gaps of
+    the first encodings and of the reduced chunk's; sums: n times the first term);
+    with stochastic rounding by at most one gap each, and it is unbiased. The return
+    value is the encoded send buffer (n encodings of ``ceil(len/n)`` values), so an
+    algorithm with error feedback can decode its own contribution.
+    """
+    n = comm.get_world_size(group)
+    numel = flat.numel()
+    chunk = -(-numel // n) if numel else 0
+    padded = flat.detach().reshape(-1)
+    if chunk * n != numel:
+        padded = torch.cat([padded, padded.new_zeros(chunk * n - numel)])
+    sent = minmax.encode_chunks(padded.view(n, chunk), bits, stochastic=stochastic, generator=generator)
+    received = torch.empty_like(sent)
+    comm.alltoall(sent, received, group=group)
+    mine = minmax.decode_chunks(received, n).sum(dim=0)
+    if average:
+        mine.div_(n)
+    own = minmax.encode(mine, bits, stochastic=stochastic, generator=generator)
+    gathered = own.new_empty(own.numel() * n)
+    comm.allgather(own, gathered, group=group)
+    result = minmax.decode_chunks(gathered, n).reshape(-1)[:numel]
+    with torch.no_grad():
+        flat.view(-1).copy_(result)
+    return sent
 
 
 def shift_one_peer(rank: int, world_size: int, step: int) -> int:
@@ -63,32 +115,57 @@ class PythonOp:
 
 
 class CentralizedSynchronousOp:
-    """Sum (``average=False``) or mean of the bucket over the group, in place."""
+    """Sum (``average=False``) or mean of the bucket over the group, in place.
+
+    ``compression="MinMaxUInt8"`` (Bagua's low-precision op): the reduction goes
+    through :func:`compressed_scatter_gather` at 8 bits, nearest rounding; with
+    ``hierarchical`` the bucket is first reduced exactly within each node, the node
+    leaders (local rank 0) run the compressed reduction among themselves, and each
+    leader broadcasts the result within its node.
+    """
 
     def __init__(self, hierarchical: bool, average: bool, scattergather: bool, compression: Optional[str], group):
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {list(COMPRESSIONS)}, got {compression!r}")
-        if compression is not None:
-            raise NotImplementedError(
-                f"compression={compression!r} needs the MinMaxUInt8 codec, which this version of "
-                "bagua-algos does not have yet; use compression=None"
-            )
         if hierarchical and not _is_whole_world(group):
             raise ValueError("hierarchical=True reduces over all workers (nodes of LOCAL_WORLD_SIZE); use the default group")
         self.hierarchical = bool(hierarchical)
+        self.average = bool(average)
         self.op = comm.ReduceOp.AVG if average else comm.ReduceOp.SUM
         self.scattergather = bool(scattergather)
+        self.compression = compression
         self.group = group
+        if compression is not None and self.hierarchical:
+            # Node groups are created collectively: here, on every rank, not on first use.
+            self._intra = comm.intra_node_group()
+            self._leaders = comm.inter_node_group() if comm.get_local_rank() == 0 else None
 
     def __call__(self, bucket) -> None:
         flat = bucket.flat_view()
-        if self.hierarchical:
+        if self.compression is not None:
+            self._compressed(flat)
+        elif self.hierarchical:
             comm.hierarchical_allreduce_inplace(flat, self.op)
         elif self.scattergather:
             self._reduce_scatter_gather(flat)
         else:
             comm.allreduce_inplace(flat, self.op, group=self.group)
         bucket.write_flat(flat)
+
+    def _compressed(self, flat: torch.Tensor) -> None:
+        x = flat if flat.dtype == torch.float32 else flat.float()
+        if not self.hierarchical:
+            compressed_scatter_gather(x, MINMAX_UINT8_BITS, self.average, self.group)
+        else:
+            if self._intra.nranks() > 1:
+                comm.allreduce_inplace(x, self.op, group=self._intra)
+            if self._leaders is not None and self._leaders.nranks() > 1:
+                # (one node: the exact node average is already the result)
+                compressed_scatter_gather(x, MINMAX_UINT8_BITS, self.average, self._leaders)
+            if self._intra.nranks() > 1:
+                comm.broadcast(x, src=comm.get_node_rank() * comm.get_local_size(), group=self._intra)
+        if x is not flat:
+            flat.copy_(x)
 
     def _reduce_scatter_gather(self, flat: torch.Tensor) -> None:
         """Each worker reduces one chunk, then every worker gathers all chunks."""
@@ -204,6 +281,108 @@ class DecentralizedSynchronousOp:
     def copy_back_peer_weight(self, bucket) -> None:
         """The bucket's weights ← the gossip result."""
         bucket.write_flat(_effective(self.peer_weight))
+
+
+def ring_peers(index: int, size: int) -> tuple:
+    """(left, right) neighbours of position ``index`` on a ring of ``size``."""
+    return (index - 1) % size, (index + 1) % size
+
+
+class LowPrecisionDecentralizedSynchronousOp:
+    """Bagua's low-precision decentralized SGD step on a ring, run after the optimizer
+    step (Bagua's ``decentralized_low_precision_synchronous``).
+
+    Each worker i keeps w = x̂_i, the copy of its weights its peers also hold, and
+    replicas l = x̂_{i-1}, r = x̂_{i+1} of its ring neighbours' (all equal to the
+    initial model). With x the weights after the local step (x_t − γ g_t):
+
+        z   = (x + l + r) / 3 − w                 (the ring's mixing, minus w)
+        send Q(z) to both neighbours, receive Q(z_{i-1}), Q(z_{i+1})
+        w  ← w + D(Q(z)),  l ← l + D(Q(z_{i-1})),  r ← r + D(Q(z_{i+1}))
+        x  ← w
+
+    Q is the MinMaxUInt8 codec (8 bits, nearest rounding, one header for the bucket),
+    D its decoding: only compressed differences travel, and every replica moves by
+    exactly what its owner applied, so l and r stay equal to the neighbours' w. With
+    two workers the left and right neighbour are the same one (weights 1/3 and 2/3,
+    as in Bagua); with one gossiping worker z = x − w. With ``hierarchical`` the
+    weights are first averaged within each node, the node leaders run the ring among
+    themselves and broadcast the result within their node.
+
+    w, l and r are ``weight``, ``left_peer_weight`` and ``right_peer_weight`` (Bagua
+    tensors of the bucket's length); they are put in ``bucket.state`` so a checkpoint
+    holds them.
+    """
+
+    def __init__(self, bucket, weight, left_peer_weight, right_peer_weight, hierarchical: bool,
+                 compression: str, group):
+        if compression != "MinMaxUInt8":
+            raise ValueError(f"compression must be 'MinMaxUInt8' for the low-precision decentralized op, got {compression!r}")
+        for name, t in (("weight", weight), ("left_peer_weight", left_peer_weight),
+                        ("right_peer_weight", right_peer_weight)):
+            if not torch.is_tensor(t) or _effective(t).numel() != bucket.numel:
+                raise ValueError(
+                    f"{name} must be a tensor of the bucket's {bucket.numel} elements "
+                    "(bucket.flattened_tensor().ensure_bagua_tensor(...) makes one), got "
+                    f"{type(t).__name__ if not torch.is_tensor(t) else tuple(t.shape)}"
+                )
+            if not _effective(t).is_floating_point():
+                raise ValueError(f"{name} must be a float tensor, got {_effective(t).dtype}")
+        self.hierarchical = bool(hierarchical)
+        self.compression = compression
+        self.group = group
+        if self.hierarchical:
+            if not _is_whole_world(group):
+                raise ValueError("hierarchical=True gossips between nodes of all workers; use the default group")
+            self._intra = comm.intra_node_group()
+            self.is_leader = comm.get_local_rank() == 0
+            local = comm.get_local_size()
+            self.peer_ranks = list(range(0, comm.get_world_size(), local))
+            my_index = comm.get_node_rank()
+        else:
+            self._intra = None
+            self.is_leader = True
+            self.peer_ranks = comm.group_ranks(group)
+            my_index = comm.group_rank(group)
+        left, right = ring_peers(my_index, len(self.peer_ranks))
+        self.left_rank, self.right_rank = self.peer_ranks[left], self.peer_ranks[right]
+        self._state = bucket.state
+        self._state["low_precision_weight"] = _effective(weight)
+        self._state["low_precision_left_peer_weight"] = _effective(left_peer_weight)
+        self._state["low_precision_right_peer_weight"] = _effective(right_peer_weight)
+
+    def __call__(self, bucket) -> None:
+        flat = bucket.flat_view()
+        x = flat.detach().clone() if flat.dtype == torch.float32 else flat.detach().float()
+        if self._intra is not None and self._intra.nranks() > 1:
+            comm.allreduce_inplace(x, comm.ReduceOp.AVG, group=self._intra)
+        if self.is_leader:
+            self._ring_step(x)
+        if self._intra is not None and self._intra.nranks() > 1:
+            comm.broadcast(x, src=comm.get_node_rank() * comm.get_local_size(), group=self._intra)
+        with torch.no_grad():
+            flat.copy_(x)
+        bucket.write_flat(flat)
+
+    def _ring_step(self, x: torch.Tensor) -> None:
+        w = self._state["low_precision_weight"]
+        left = self._state["low_precision_left_peer_weight"]
+        right = self._state["low_precision_right_peer_weight"]
+        with torch.no_grad():
+            if len(self.peer_ranks) == 1:
+                z = x - w
+            else:
+                z = (x + left + right).div_(3).sub_(w)
+            mine = minmax.encode(z, MINMAX_UINT8_BITS)
+            if len(self.peer_ranks) > 1:
+                from_left, from_right = torch.empty_like(mine), torch.empty_like(mine)
+                # Two messages to the same peer when n = 2: they pair up in posting order.
+                comm.neighbor_exchange([(self.left_rank, mine), (self.right_rank, mine)],
+                                       [(self.left_rank, from_left), (self.right_rank, from_right)])
+                left.add_(minmax.decode(from_left).to(left.dtype))
+                right.add_(minmax.decode(from_right).to(right.dtype))
+            w.add_(minmax.decode(mine).to(w.dtype))
+            x.copy_(w)
 
 
 class AsyncModelAverageOp:

@@ -1,3 +1,3 @@
-"""``bagua.torch_api.algorithms.bytegrad`` (needs the MinMaxUInt8 codec: not available yet)."""
+"""``bagua.torch_api.algorithms.bytegrad``."""
 
-from bagua_algos.algorithms.unavailable import ByteGradAlgorithm  # noqa: F401
+from bagua_algos.algorithms.bytegrad import ByteGradAlgorithm, ByteGradAlgorithmImpl  # noqa: F401

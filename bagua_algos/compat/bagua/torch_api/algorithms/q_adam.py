@@ -1,3 +1,3 @@
-"""``bagua.torch_api.algorithms.q_adam`` (needs the MinMaxUInt8 codec: not available yet)."""
+"""``bagua.torch_api.algorithms.q_adam``."""
 
-from bagua_algos.algorithms.unavailable import QAdamAlgorithm, QAdamOptimizer  # noqa: F401
+from bagua_algos.algorithms.q_adam import QAdamAlgorithm, QAdamAlgorithmImpl, QAdamOptimizer  # noqa: F401

@@ -1,0 +1,235 @@
+"""QAdam: Adam whose momentum is averaged through 8-bit compression (Bagua's ``qadam``).
+
+Two phases, switched once the optimizer has taken ``warmup_steps`` steps:
+
+- warm-up (step s < warmup_steps): the gradients are averaged exactly (allreduce) and
+  :class:`QAdamOptimizer` is Adam: m ← β1 m + (1−β1) g, v ← β2 v + (1−β2) g²,
+  x ← x − lr/(1−β1^s) · m / (√(v/(1−β2^s)) + eps), with g = ḡ + wd·x;
+- compression (s ≥ warmup_steps): v is frozen, and so is v̂ = v/(1−β2^s) (its bias
+  correction stays at the last warm-up step; Bagua 0.9.2 keeps raising 1−β2^s, which
+  shrinks v̂ and so grows the step size without bound: with a short warm-up training
+  diverges); each worker updates its momentum with
+  its *local* gradient, m_i ← β1 m + (1−β1)(g_i + wd·x), and the momenta are averaged
+  through Bagua's MinMaxUInt8 scatter-gather (8 bits), m ← ≈ (1/n) Σ_i m_i; the
+  optimizer then applies the same Adam update with that m.
+
+As in Bagua 0.9, the algorithm rebuilds its buckets when the switch happens
+(``need_reset``): in warm-up the Bagua tensors are the parameters with the gradient as
+effective tensor, in compression the parameters with ``optimizer.state[p]["exp_avg"]``
+as effective tensor (flattened into the bucket), and a Python op computes the momentum
+before the compressed average. Unlike Bagua, the reset fires whenever the phase the
+buckets were built for differs from the optimizer's (not only at step ==
+warmup_steps), so a run resumed past the warm-up from a checkpoint compresses too.
+Everything needed to resume is the optimizer's own state (``optimizer.state_dict()``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Tuple
+
+import torch
+from torch.optim.optimizer import Optimizer
+
+from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+from ..runtime.bucket import BaguaBucket
+from .gradient_allreduce import check_flag
+
+__all__ = ["QAdamOptimizer", "QAdamAlgorithm", "QAdamAlgorithmImpl"]
+
+
+def _check_real(name: str, value, low: float, high: float = math.inf, high_open: bool = False) -> float:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = value >= low and (value < high if high_open else value <= high)
+    if not ok:
+        upper = f" and < {high}" if high_open else ""
+        raise ValueError(f"{name} must be a finite number >= {low}{upper}, got {value!r}")
+    return float(value)
+
+
+class QAdamOptimizer(Optimizer):
+    """The optimizer of QAdam (Bagua's arguments and defaults).
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate (>= 0).
+        warmup_steps: the momentum is compressed from optimizer step warmup_steps
+            on; steps before it average gradients exactly and run full Adam (an int
+            >= 2: v is estimated during those steps only, so give it enough of them;
+            Bagua accepts 1, which leaves v at zero).
+        betas: (β1, β2), each in [0, 1).
+        eps: added to the denominator (>= 0).
+        weight_decay: L2 penalty added to the gradient (>= 0).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, warmup_steps: int = 100,
+                 betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
+        _check_real("lr", lr, 0.0)
+        _check_real("eps", eps, 0.0)
+        _check_real("weight_decay", weight_decay, 0.0)
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), each in [0, 1), got {betas!r}")
+        _check_real("betas[0]", betas[0], 0.0, 1.0, high_open=True)
+        _check_real("betas[1]", betas[1], 0.0, 1.0, high_open=True)
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 2:
+            raise ValueError(
+                f"warmup_steps must be an int >= 2 (v is estimated on steps 1 .. warmup_steps - 1 only; "
+                f"with fewer Adam would divide by eps), got {warmup_steps!r}"
+            )
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.warmup_steps = warmup_steps
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if len(state) == 0:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["step"] += 1
+                step = state["step"]
+                if step < self.warmup_steps:
+                    grad = param.grad if wd == 0 else param.grad.add(param, alpha=wd)
+                    state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
+                    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                # After the warm-up exp_avg is the compressed average the algorithm made,
+                # and v̂ stays what it was at the last update (v frozen, its bias
+                # correction too).
+                v_step = min(step, self.warmup_steps - 1)
+                denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** v_step)).add_(eps)
+                param.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
+        return loss
+
+
+class QAdamAlgorithmImpl(AlgorithmImpl):
+    def __init__(self, process_group, q_adam_optimizer: QAdamOptimizer, hierarchical: bool = True):
+        super().__init__(process_group)
+        self.optimizer = q_adam_optimizer
+        self.hierarchical = hierarchical
+        self.warmup_steps = q_adam_optimizer.warmup_steps
+        self._compressing = None  # the phase the buckets were built for
+
+    @property
+    def optimizer_step_id(self) -> int:
+        """Steps the optimizer has taken (its first parameter's count)."""
+        param = self.optimizer.param_groups[0]["params"][0]
+        return int(self.optimizer.state[param].get("step", 0))
+
+    def _in_compression(self) -> bool:
+        return self.optimizer_step_id >= self.warmup_steps
+
+    def need_reset(self) -> bool:
+        return self._compressing is not None and self._compressing != self._in_compression()
+
+    def init_tensors(self, bagua_ddp):
+        module_params = bagua_ddp.bagua_build_params()
+        names = {id(p): name for name, p in module_params}
+        order = {id(p): index for index, (_, p) in enumerate(reversed(module_params))}
+        self._compressing = self._in_compression()
+        optimizer = self.optimizer
+        tensors = []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if id(param) not in names:
+                    continue
+                if not self._compressing:
+                    tensor = param.bagua_ensure_grad().ensure_bagua_tensor(
+                        names[id(param)], bagua_ddp.bagua_module_name,
+                        getter_closure=lambda p: p.grad,
+                        setter_closure=lambda p, t: setattr(p, "grad", t),
+                    )
+                else:
+                    def set_momentum(p, t):
+                        optimizer.state[p]["exp_avg"] = t
+
+                    tensor = param.bagua_ensure_grad().ensure_bagua_tensor(
+                        names[id(param)], bagua_ddp.bagua_module_name,
+                        getter_closure=lambda p: optimizer.state[p]["exp_avg"],
+                        setter_closure=set_momentum,
+                    )
+                tensors.append(tensor)
+        missing = [name for name, p in module_params if not any(p is t for t in tensors)]
+        if missing:
+            raise ValueError(
+                f"QAdamAlgorithm: parameters {missing} are not in the QAdamOptimizer given to QAdamAlgorithm; "
+                "build the QAdamOptimizer from all of the module's trainable parameters"
+            )
+        tensors.sort(key=lambda t: order[id(t)])
+        self._names = set(names.values())
+        return tensors
+
+    def tensors_to_buckets(self, tensors, do_flatten):
+        return [
+            BaguaBucket(group, flatten=do_flatten, name=str(index), alignment=self.world_size)
+            for index, group in enumerate(tensors)
+        ]
+
+    def init_operations(self, bagua_ddp, bucket):
+        bucket.clear_ops()
+        if not self._compressing:
+            bucket.append_centralized_synchronous_op(hierarchical=False, average=True, group=self.process_group)
+            return
+
+        def calculate_momentum(bucket_name):
+            # m_i ← β1 m + (1 − β1)(g_i + wd·x), the worker's own momentum, then averaged.
+            with torch.no_grad():
+                for tensor in bucket.tensors:
+                    group = self._group_of[id(tensor)]
+                    beta1, wd = group["betas"][0], group["weight_decay"]
+                    grad = tensor.grad if wd == 0 else tensor.grad.add(tensor, alpha=wd)
+                    tensor.bagua_getter_closure().mul_(beta1).add_(grad, alpha=1 - beta1)
+
+        self._group_of = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
+        bucket.append_python_op(calculate_momentum, group=self.process_group)
+        bucket.append_centralized_synchronous_op(
+            hierarchical=self.hierarchical, average=True, scattergather=True,
+            compression="MinMaxUInt8", group=self.process_group,
+        )
+
+    def init_backward_hook(self, bagua_ddp):
+        def hook(parameter_name, parameter):
+            if parameter_name in self._names:
+                parameter.bagua_mark_communication_ready()
+
+        return hook
+
+
+class QAdamAlgorithm(Algorithm):
+    """Bagua's QAdam: exact gradient averaging during the optimizer's warm-up, then the
+    Adam momentum averaged through 8-bit min-max compression.
+
+    Args:
+        q_adam_optimizer: the :class:`QAdamOptimizer` built from the module's parameters
+            (give the same optimizer to ``with_bagua``).
+        hierarchical: average exactly within each node, compress between nodes
+            (Bagua's default: True).
+    """
+
+    def __init__(self, q_adam_optimizer: QAdamOptimizer, hierarchical: bool = True):
+        if not isinstance(q_adam_optimizer, QAdamOptimizer):
+            raise TypeError(
+                f"q_adam_optimizer must be a QAdamOptimizer (bagua.torch_api.algorithms.q_adam.QAdamOptimizer), "
+                f"got {type(q_adam_optimizer).__name__}"
+            )
+        self.hierarchical = check_flag("hierarchical", hierarchical)
+        self.optimizer = q_adam_optimizer
+
+    def reify(self, process_group) -> QAdamAlgorithmImpl:
+        return QAdamAlgorithmImpl(process_group, q_adam_optimizer=self.optimizer, hierarchical=self.hierarchical)
+
+
+GlobalAlgorithmRegistry.register(
+    "qadam", QAdamAlgorithm, "Adam with exact warm-up, then the momentum averaged through 8-bit compression (Bagua's QAdam)"
+)

@@ -1,0 +1,145 @@
+"""TernGrad-style low-bit gradient averaging (``terngrad``), on Bagua's scatter-gather.
+
+Each bucket of gradients g (flattened, padded to a multiple of the world size n) goes
+through :func:`bagua_algos.runtime.ops.compressed_scatter_gather` with the min-max codec
+of :mod:`bagua_algos.compression.minmax` at ``bits`` bits: one chunk per worker, each
+chunk quantized to 2^bits levels between its min and max, all-to-all, each worker
+decodes and averages its chunk, quantizes it again, all-gather, decode. The result is
+ĝ ≈ (1/n) Σ_i g_i. With stochastic rounding (the default, as TernGrad) each
+quantization is unbiased, so E[ĝ] = (1/n) Σ_i g_i; the random numbers come from a
+generator seeded with ``seed + rank``, saved in the algorithm's ``state_dict``.
+
+Options, applied to each worker's contribution before the first quantization:
+
+- ``clip=c`` (TernGrad's gradient clipping): g ← clamp(g, −c·σ, c·σ), σ the standard
+  deviation of the bucket's gradient values (per bucket, not per layer);
+- ``error_feedback=True``: v = g + e is sent instead of g, and the error of the *first*
+  quantization, the only one this worker controls, is kept for the next step:
+  e ← v − D(Q(v)) (Q the chunk-wise encoding this worker sends, D its decoding). The
+  second quantization (of the averaged chunk) is not fed back. e lives in the bucket's
+  ``state`` (checkpointed).
+
+A worker sends (n−1)/n · (N·bits/8 + 10n) bytes in the all-to-all and about N·bits/(8n)
++ 10 in the all-gather, per bucket of N values: about 2·bits/32 of a ring allreduce's
+2·(n−1)/n · 4N (1/16 at 2 bits).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from ..compression import minmax
+from ..runtime import comm
+from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+from ..runtime.bucket import BaguaBucket
+from ..runtime.ops import compressed_scatter_gather
+from .gradient_allreduce import check_flag
+
+__all__ = ["TernGradAlgorithm", "TernGradAlgorithmImpl", "clip_by_std"]
+
+
+def clip_by_std(g: torch.Tensor, c: float) -> torch.Tensor:
+    """TernGrad's clipping: g clamped to [−c·σ, c·σ], σ = std(g) (population), in place."""
+    sigma = float(g.float().std(unbiased=False)) if g.numel() > 1 else 0.0
+    if sigma > 0:
+        g.clamp_(-c * sigma, c * sigma)
+    return g
+
+
+class TernGradAlgorithmImpl(AlgorithmImpl):
+    def __init__(self, process_group, bits: int = 2, stochastic: bool = True, error_feedback: bool = False,
+                 clip=None, seed: int = 0):
+        super().__init__(process_group)
+        self.bits = bits
+        self.stochastic = stochastic
+        self.error_feedback = error_feedback
+        self.clip = clip
+        self.seed = seed
+        self.generator = None
+
+    def tensors_to_buckets(self, tensors, do_flatten):
+        return [
+            BaguaBucket(group, flatten=do_flatten, name=str(index), alignment=self.world_size)
+            for index, group in enumerate(tensors)
+        ]
+
+    def init_operations(self, bagua_ddp, bucket):
+        bucket.clear_ops()
+        if self.generator is None or self.generator.device != bucket.device:
+            # One generator per worker; the buckets run in a fixed order on the
+            # communication thread, so the draws are reproducible.
+            self.generator = torch.Generator(device=bucket.device)
+            self.generator.manual_seed(self.seed + comm.get_rank())
+        if self.error_feedback:
+            bucket.state["terngrad_error"] = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.device)
+        bucket.append_python_op(lambda name: self._reduce(bucket), group=self.process_group)
+
+    def _reduce(self, bucket) -> None:
+        flat = bucket.flat_view()
+        with torch.no_grad():
+            v = flat.detach().float().clone()  # this worker's contribution
+            if self.clip is not None:
+                clip_by_std(v, self.clip)
+            if self.error_feedback:
+                v.add_(bucket.state["terngrad_error"])
+            result = v.clone()
+            sent = compressed_scatter_gather(result, self.bits, True, self.process_group,
+                                             stochastic=self.stochastic, generator=self.generator)
+            if self.error_feedback:
+                # e ← v − D(Q(v)): the error of this worker's own (first) quantization.
+                sent_values = minmax.decode_chunks(sent, self.world_size).reshape(-1)[: v.numel()]
+                bucket.state["terngrad_error"].copy_(v.sub_(sent_values))
+            flat.copy_(result)
+        bucket.write_flat(flat)
+
+    def state_dict(self) -> dict:
+        return {"generator_state": None if self.generator is None else self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if state.get("generator_state") is not None:
+            self.generator.set_state(state["generator_state"].clone())
+
+
+class TernGradAlgorithm(Algorithm):
+    """TernGrad-style quantized gradient averaging on Bagua's scatter-gather pattern.
+
+    Args:
+        bits: bits per value, 1, 2, 4 or 8 (2: TernGrad's ternary levels are 3; here
+            4 evenly spaced levels between the chunk's min and max).
+        stochastic: stochastic (unbiased) rounding; False: nearest.
+        error_feedback: keep the error of this worker's quantization and add it to the
+            next step's gradient.
+        clip: None (off) or c > 0: clip the gradient to ±c·σ before quantizing
+            (TernGrad suggests c = 2.5).
+        seed: the stochastic rounding of rank r draws from a generator seeded seed + r.
+    """
+
+    def __init__(self, bits: int = 2, stochastic: bool = True, error_feedback: bool = False, clip=None,
+                 seed: int = 0):
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in minmax.VALID_BITS:
+            raise ValueError(f"bits must be one of {list(minmax.VALID_BITS)}, got {bits!r}")
+        self.bits = bits
+        self.stochastic = check_flag("stochastic", stochastic)
+        self.error_feedback = check_flag("error_feedback", error_feedback)
+        if clip is not None:
+            ok = isinstance(clip, numbers.Real) and not isinstance(clip, bool) and math.isfinite(clip) and clip > 0
+            if not ok:
+                raise ValueError(f"clip must be None (no clipping) or a finite number > 0 (e.g. 2.5), got {clip!r}")
+            clip = float(clip)
+        self.clip = clip
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        self.seed = seed
+
+    def reify(self, process_group) -> TernGradAlgorithmImpl:
+        return TernGradAlgorithmImpl(process_group, bits=self.bits, stochastic=self.stochastic,
+                                     error_feedback=self.error_feedback, clip=self.clip, seed=self.seed)
+
+
+GlobalAlgorithmRegistry.register(
+    "terngrad", TernGradAlgorithm, "gradients averaged through low-bit (1/2/4/8) min-max quantized scatter-gather"
+)

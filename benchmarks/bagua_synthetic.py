@@ -19,7 +19,7 @@ Output, on rank 0 (``DEVICE`` is GPU or CPU)::
     Iter #0: 812.3 img/sec CPU          (every --log-interval iterations; all workers)
     Img/sec per CPU: 203.1 +-4.2         (mean over iterations ± 1.96 standard deviations)
     Total img/sec on 4 CPU(s): 812.3 +-16.8
-    Bytes sent per worker per step: 1.02e+06   (counted by the comm layer)
+    Bytes sent per worker per step: 1.02e+06 (mean), 1.02e+06 (max)   (comm.bytes_sent())
 
 Algorithm arguments: ``--topology`` (relay, decentralized), ``--rank`` (powersgd),
 ``--bits`` (terngrad); giving one to an algorithm that has no such argument is an
@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--deterministic", action="store_true", help="seed everything by rank, deterministic kernels")
     parser.add_argument("--no-cuda", action="store_true", help="train on the CPU even if a GPU is present")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker on CPU")
+    parser.add_argument("--spawn", type=int, default=None, metavar="N",
+                        help="start N local workers through bagua_algos' launcher and run this in them")
     return parser
 
 
@@ -74,6 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "num_classes", "threads"):
         if getattr(args, flag) < 1:
             parser.error(f"argument --{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
+    if args.spawn is not None and args.spawn < 1:
+        parser.error(f"argument --spawn: must be >= 1, got {args.spawn}")
     if args.num_warmup_batches < 0:
         parser.error(f"argument --num-warmup-batches: must be >= 0, got {args.num_warmup_batches}")
     from bagua_algos import GlobalAlgorithmRegistry
@@ -212,19 +216,30 @@ def run(args) -> dict:
         if i % args.log_interval == 0:
             log(f"Iter #{i}: {rate * world:.1f} img/sec {kind}")
     steps = args.num_iters * args.num_batches_per_iter
-    per_step = (comm.bytes_sent() - sent_before) / steps
+    sent = torch.tensor([float(comm.bytes_sent() - sent_before) / steps] * 2)
+    comm.allreduce_inplace(sent[:1], comm.ReduceOp.SUM)  # mean over workers: trees and gossip differ by rank
+    comm.allreduce_inplace(sent[1:], comm.ReduceOp.MAX)
+    per_step, per_step_max = sent[0].item() / world, sent[1].item()
     mean = statistics.fmean(rates)
     spread = 1.96 * float(np.std(rates))
     log(f"Img/sec per {kind}: {mean:.1f} +-{spread:.1f}")
     log(f"Total img/sec on {world} {kind}(s): {world * mean:.1f} +-{world * spread:.1f}")
-    log(f"Bytes sent per worker per step: {per_step:.4g}")
+    log(f"Bytes sent per worker per step: {per_step:.4g} (mean), {per_step_max:.4g} (max)")
     comm.barrier()
     comm.destroy_process_group()
     return {"img_sec_per_worker": mean, "img_sec_conf": spread, "bytes_per_step": per_step}
 
 
 def main(argv=None) -> None:
-    run(parse_args(argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.spawn is not None:
+        from benchmarks.common import launch_self, without_flag
+
+        launch_self(str(_REPO / "benchmarks" / "synthetic_benchmark.py"), args.spawn,
+                    without_flag(argv, "--spawn"), "SYNTHETIC_BENCHMARK_COMMAND")
+        return
+    run(args)
 
 
 if __name__ == "__main__":

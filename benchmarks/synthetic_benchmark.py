@@ -12,6 +12,10 @@ or let it start the launcher itself (``--spawn N`` re-invokes this script throug
 
     python benchmarks/synthetic_benchmark.py --spawn 4 --configs "ddp;gradient_allreduce"
 
+With ``--algorithm NAME`` instead of ``--configs`` it speaks Bagua's own benchmark
+script's interface and output (``--num-warmup-batches``, ``--num-batches-per-iter``,
+``--num-iters``, ``Img/sec per CPU: X +-Y``, ...; see :mod:`benchmarks.bagua_synthetic`).
+
 ``--configs`` is a ';'-separated list. Each entry is ``ddp`` (torch
 DistributedDataParallel), a registered algorithm name, or ``NAME:key=value,...``
 (values are read as int, float, bool, None or else string), e.g.
@@ -408,6 +412,12 @@ def run_worker(args, configs) -> None:
 
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--algorithm" or a.startswith("--algorithm=") for a in argv):
+        # Bagua's own script's interface: one algorithm, Bagua's output lines
+        from benchmarks import bagua_synthetic
+
+        bagua_synthetic.main(argv)
+        return
     args = parse_args(argv)
     try:
         configs = parse_configs(args.configs)

@@ -81,3 +81,31 @@ def test_config_parsing():
     for bad in ("", "ddp;ddp", "gradient_allreduce:average", "gradient_allreduce:nope=1", ":x=1"):
         with pytest.raises(ConfigError):
             parse_configs(bad)
+
+
+# ------------------------------------------------------- Bagua's interface (--algorithm)
+
+BAGUA_TINY = ["--model", "mlp", "--image-size", "8", "--num-classes", "3", "--batch-size", "4",
+              "--num-warmup-batches", "1", "--num-batches-per-iter", "2", "--num-iters", "3"]
+
+
+def test_bagua_interface_prints_bagua_lines_and_bytes():
+    code, out, err = run([SCRIPT, "--spawn", 2, "--algorithm", "terngrad", "--bits", "2", *BAGUA_TINY])
+    assert code == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    for line in ("Model: mlp", "Batch size: 4", "Number of CPUs: 2", "Running warmup...", "Running benchmark..."):
+        assert line in out, out
+    assert out.count(" img/sec CPU") == 3
+    assert "Img/sec per CPU: " in out and " +-" in out and "Total img/sec on 2 CPU(s): " in out
+    sent = float(out.split("Bytes sent per worker per step: ")[1].split()[0])
+    assert sent > 0
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--algorithm", "no_such_algo"], "unknown algorithm 'no_such_algo'"),
+    (["--algorithm", "gradient_allreduce", "--rank", "2"], "--rank: algorithm 'gradient_allreduce' takes no 'rank'"),
+    (["--algorithm", "gradient_allreduce", "--model", "no_such_net"], "--model: 'no_such_net' is neither"),
+    (["--algorithm", "gradient_allreduce", "--num-iters", "0"], "--num-iters: must be >= 1"),
+])
+def test_bagua_interface_bad_flags(argv, match):
+    code, out, err = run([SCRIPT, *argv], timeout=60)
+    assert code == 2 and match in err, err

@@ -4,6 +4,7 @@ from .allreduce_average import AllreduceAverageAlgorithm, AllreduceAverageAlgori
 from .async_model_average import AsyncModelAverageAlgorithm, AsyncModelAverageAlgorithmImpl
 from .decentralized import DecentralizedAlgorithm, DecentralizedAlgorithmImpl, shift_one_peer
 from .gradient_allreduce import GradientAllReduceAlgorithm, GradientAllReduceAlgorithmImpl
+from .powersgd import PowerSGDAlgorithm, PowerSGDAlgorithmImpl
 from .relay import RelayAlgorithm, RelayAlgorithmImpl
 
 __all__ = [
@@ -15,6 +16,8 @@ __all__ = [
     "DecentralizedAlgorithmImpl",
     "GradientAllReduceAlgorithm",
     "GradientAllReduceAlgorithmImpl",
+    "PowerSGDAlgorithm",
+    "PowerSGDAlgorithmImpl",
     "RelayAlgorithm",
     "RelayAlgorithmImpl",
     "shift_one_peer",

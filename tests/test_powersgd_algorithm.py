@@ -5,6 +5,7 @@ its zero_grad guard. One spawn runs every check (a spawn costs seconds)."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -192,6 +193,74 @@ def _checks(rank, n):
         impl._async_handles[bucket.name] = Late()
     train(model, opt, rank, 2, first_step=2)
     out["adaptive"] = (total, before, (bucket.state["async_offset"], bucket.state["async_length"]))
+    out["ddp"] = _ddp_hook_checks(rank, n)
+    return out
+
+
+class DeadNet(torch.nn.Module):
+    """Two trained layers and one whose gradient is always zero (its output times 0)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1 = torch.nn.Linear(16, 24)
+        self.l2 = torch.nn.Linear(24, 8)
+        self.dead = torch.nn.Linear(24, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        return self.l2(h) + 0.0 * self.dead(h)
+
+
+def _ddp_hook_checks(rank, n):
+    """Our hook against torch's powerSGD_hook on the same gradients. From the same Q's and
+    errors both define the same update for the compressed tensors.
+
+    Torch's hook allreduces while its
+    ``iter < start_powerSGD_iter`` with iter counted from 0, so its first compressed
+    step is step 3; ours with start_iter=2 too. After step 3 our Q's and errors are set to
+    torch's; steps 4–6 are compared."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
+    from torch.nn.parallel import DistributedDataParallel
+
+    from bagua_algos.ddp_hooks import PowerSGDHookState, powersgd_hook
+
+    theirs_state = torch_psgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                            min_compression_rate=2.0, use_error_feedback=True, warm_start=True,
+                                            batch_tensors_with_same_shape=False)
+    ours_state = PowerSGDHookState(rank=1, start_iter=2)
+    theirs = DistributedDataParallel(DeadNet())
+    theirs.register_comm_hook(theirs_state, torch_psgd.powerSGD_hook)
+    ours = DistributedDataParallel(DeadNet())
+    ours.register_comm_hook(ours_state, powersgd_hook)
+    out = {"diff": [], "torch_dead_nan": [], "ours_dead": []}
+    for step in range(1, 7):
+        for model in (theirs, ours):
+            model.zero_grad()
+            loss_fn(model, batch(step, rank)).backward()
+        if step == 1:
+            out["plain_equal"] = all(torch.equal(a.grad, b.grad) for a, b in zip(theirs.parameters(), ours.parameters()))
+        if step == 3:  # align our state with torch's (where torch's is not NaN)
+            plan = ours_state.plans[0]
+            mine = ours_state.buckets[0]
+            flat_q = torch.cat([mine["q"][g.key].reshape(-1) for g in plan.groups])
+            their_q = theirs_state.q_memory_dict[0]
+            flat_q = torch.where(torch.isnan(their_q), flat_q, their_q)
+            for g in plan.groups:
+                mine["q"][g.key] = flat_q[g.q_offset : g.q_offset + g.q_numel].view(-1, g.m, g.r).clone()
+            error = theirs_state.error_dict[0]
+            offsets = [0]
+            for shape in plan.shapes:
+                offsets.append(offsets[-1] + math.prod(shape))
+            for i, at in plan.error_offsets.items():
+                piece = error[offsets[i] : offsets[i + 1]]
+                mine["error"][at : at + piece.numel()] = torch.nan_to_num(piece, nan=0.0)
+        if step >= 4:
+            out["diff"].append(max(float((theirs.module.get_submodule(k).weight.grad
+                                          - ours.module.get_submodule(k).weight.grad).abs().max()) for k in ("l1", "l2")))
+            out["torch_dead_nan"].append(bool(torch.isnan(theirs.module.dead.weight.grad).any()))
+            out["ours_dead"].append(float(ours.module.dead.weight.grad.abs().max()))
+    out["bytes_last_step"] = ours_state.bytes_last_step
     return out
 
 
@@ -241,6 +310,16 @@ def test_variants_reduce_the_error_norm(results):
         assert norms["async_full"] < norms["plain"]
         assert norms["async_adaptive"] < norms["plain"]
         assert norms["nesterov_0.05"] < norms["plain"]
+
+
+def test_ddp_hook_agrees_with_torch_powersgd_hook(results):
+    for out in results:
+        ddp = out["ddp"]
+        assert ddp["plain_equal"]
+        assert len(ddp["diff"]) == 3 and max(ddp["diff"]) < 1e-5, ddp["diff"]
+        # Where they differ: a zero-gradient layer is NaN under torch's hook (epsilon 0), zero under ours.
+        assert all(ddp["torch_dead_nan"]) and ddp["ours_dead"] == [0.0, 0.0, 0.0]
+        assert ddp["bytes_last_step"] == 4 * ((24 + 16) + 2 * (8 + 24) + 24 + 8 + 8)
 
 
 def test_adaptive_slice_halves_on_every_worker_and_shifts(results):

@@ -532,7 +532,6 @@ def _powersgd(**kwargs):
 
 for _id, _kwargs, _error, _match in (
     ("powersgd_rank_zero", {"rank": 0}, ValueError, "rank must be an int >= 1, got 0"),
-    ("powersgd_rank_negative", {"rank": -2}, ValueError, "rank must be an int >= 1, got -2"),
     ("powersgd_rank_float", {"rank": 2.0}, ValueError, "rank must be an int >= 1, got 2.0"),
     ("powersgd_orthogonalization", {"orthogonalization": "qr"}, ValueError,
      "orthogonalization must be one of ['auto', 'gram_schmidt', 'cholesky_qr2', 'torch_qr', 'householder'], got 'qr'"),
@@ -540,14 +539,8 @@ for _id, _kwargs, _error, _match in (
      "min_compression_rate must be a finite number >= 1.0, got 0.5"),
     ("powersgd_min_rate_string", {"min_compression_rate": "2"}, ValueError, "min_compression_rate must be"),
     ("powersgd_decay_above_one", {"error_decay": 1.5}, ValueError, "error_decay must be a finite number in [0.0, 1.0], got 1.5"),
-    ("powersgd_decay_negative", {"error_decay": -0.1}, ValueError, "error_decay must be"),
     ("powersgd_start_iter_negative", {"start_iter": -1}, ValueError, "start_iter must be an int >= 0, got -1"),
-    ("powersgd_start_iter_float", {"start_iter": 1.5}, ValueError, "start_iter must be an int >= 0, got 1.5"),
     ("powersgd_epsilon_negative", {"epsilon": -1e-8}, ValueError, "epsilon must be a finite number >= 0.0, got -1e-08"),
-    ("powersgd_warm_start_string", {"warm_start": "false"}, TypeError, "warm_start must be True or False"),
-    ("powersgd_async_mode", {"async_error": "half"}, ValueError, "async_error must be one of [None, 'full', 'adaptive']"),
-    ("powersgd_nesterov_without_error", {"nesterov": 0.1, "error_feedback": False}, ValueError,
-     "nesterov works on the error-feedback buffer; it needs error_feedback=True"),
     ("powersgd_error_in_grad_async", {"error_in_grad": True, "async_error": "full"}, ValueError,
      "error_in_grad=True and async_error cannot be combined"),
 ):

@@ -250,3 +250,24 @@ def test_plan_groups_matrices_by_shape():
     assert plan.error_offsets == {0: 0, 2: 36, 5: 72} and plan.error_numel == 117
     assert psgd.should_compress((512, 512, 3, 3), 4, 2.0) and not psgd.should_compress((10, 512), 8, 2.0)
     assert math.isclose(512 * 4608 / (5120 * 1), 460.8)
+
+
+# --- constructor checks beyond the probes (benchmarks/probe_bad_input.py has the main ones) ------
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"rank": -2}, ValueError, "rank must be an int >= 1, got -2"),
+    ({"error_decay": -0.1}, ValueError, "error_decay must be a finite number in [0.0, 1.0], got -0.1"),
+    ({"start_iter": 1.5}, ValueError, "start_iter must be an int >= 0, got 1.5"),
+    ({"warm_start": "false"}, TypeError, "warm_start must be True or False"),
+    ({"async_error": "half"}, ValueError, "async_error must be one of [None, 'full', 'adaptive']"),
+    ({"nesterov": -1.0}, ValueError, "nesterov must be a finite number >= 0.0"),
+    ({"nesterov": 0.1, "error_feedback": False}, ValueError, "nesterov works on the error-feedback buffer"),
+    ({"error_in_grad": True, "error_feedback": False}, ValueError, "error_in_grad works on the error-feedback buffer"),
+    ({"error_in_grad": True, "async_error": "full"}, ValueError, "cannot be combined"),
+    ({"seed": 1.0}, ValueError, "seed must be an int"),
+])
+def test_constructor_refuses_bad_arguments(kwargs, error, match):
+    from bagua_algos.algorithms import PowerSGDAlgorithm
+
+    with pytest.raises(error) as info:
+        PowerSGDAlgorithm(**kwargs)
+    assert match in str(info.value)

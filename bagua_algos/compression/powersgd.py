@@ -351,10 +351,9 @@ def compress_aggregate(
                 continue
             if error is not None:
                 e = _error_view(plan, error, i, group)
-                if in_place:
-                    e.copy_(a)
+                if in_place:  # e = A − P Qᵀ in one pass, then G = P Qᵀ (A is G's storage)
+                    torch.addmm(a, p[j], q[j].t(), alpha=-1.0, out=e)
                     torch.mm(p[j], q[j].t(), out=g)
-                    e.sub_(g)
                 else:
                     approx = p[j] @ q[j].t()
                     e.copy_(a - approx)

@@ -271,3 +271,15 @@ def test_constructor_refuses_bad_arguments(kwargs, error, match):
     with pytest.raises(error) as info:
         PowerSGDAlgorithm(**kwargs)
     assert match in str(info.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_state_and_step_stay_on_the_gradient_device():
+    grads = [torch.randn(64, 32, device="cuda", dtype=torch.float16), torch.randn(32, device="cuda")]
+    plan = psgd.make_plan([g.shape for g in grads], 2, 2.0)
+    state = psgd.init_state(plan, 0, torch.float16, "cuda", True)
+    assert state["q"]["64x32"].device.type == "cuda" and state["error"].device.type == "cuda"
+    cpu_state = psgd.init_state(plan, 0, torch.float16, "cpu", True)
+    assert state["q"]["64x32"].shape == cpu_state["q"]["64x32"].shape
+    psgd.compress_aggregate(plan, grads, state, psgd.PowerSGDOptions(), identity)
+    assert grads[0].dtype == torch.float16 and torch.isfinite(grads[0].float()).all()

@@ -284,10 +284,14 @@ def compress_aggregate(
     for group in plan.groups:
         for i in group.members:
             g = grads[i].view(group.n, group.m)
-            a = g if in_place else g.to(cdtype)
-            if error is not None and decay != 0.0:
+            if error is not None and in_place:
+                # A is formed in the error buffer (one pass); it becomes the new error in place.
                 e = _error_view(plan, error, i, group)
-                a.add_(e if in_place else e.to(cdtype), alpha=decay)
+                a = torch.add(g, e, alpha=decay, out=e)
+            else:
+                a = g if in_place else g.to(cdtype)
+                if error is not None and decay != 0.0:
+                    a.add_(_error_view(plan, error, i, group).to(cdtype), alpha=decay)
             matrices[i] = a
 
     generator = None
@@ -351,8 +355,8 @@ def compress_aggregate(
                 continue
             if error is not None:
                 e = _error_view(plan, error, i, group)
-                if in_place:  # e = A − P Qᵀ in one pass, then G = P Qᵀ (A is G's storage)
-                    torch.addmm(a, p[j], q[j].t(), alpha=-1.0, out=e)
+                if in_place:  # A is e's storage: e = A − P Qᵀ in place, then G = P Qᵀ
+                    e.addmm_(p[j], q[j].t(), alpha=-1.0)
                     torch.mm(p[j], q[j].t(), out=g)
                 else:
                     approx = p[j] @ q[j].t()

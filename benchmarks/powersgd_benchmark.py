@@ -195,22 +195,31 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    from bagua_algos.runtime import comm
+
     with tempfile.TemporaryDirectory() as tmp:
         _one_process_group(tmp)
-        if args.what == "compress":
-            ranks = [int(r) for r in args.ranks.split(",")]
-            print(f"torch {torch.__version__}, {args.threads} thread(s), CIFAR ResNet-18 gradients in one bucket, "
-                  f"median of {args.steps} steps after {args.warmup}")
-            print("rank  ours ms   torch ms  ours/torch")
-            for row in bench_compress(ranks, args.steps, args.warmup):
-                print(f"{row['rank']:>4}  {row['ours_ms']:8.2f}  {row['torch_ms']:8.2f}  {row['ratio']:10.3f}")
-        else:
-            print("error_in_grad  held MB  model MB  held/model  transient MB (op → optimizer.step)  transient/model")
-            for row in bench_memory(args.steps):
-                print(f"{str(row['error_in_grad']):>13}  {row['held_bytes'] / 2**20:7.2f}  "
-                      f"{row['model_bytes'] / 2**20:8.2f}  {row['ratio']:10.4f}  "
-                      f"{row['transient_bytes_during_step'] / 2**20:35.2f}  {row['transient_ratio']:.4f}")
+        try:
+            _report(args)
+        finally:
+            comm.destroy_process_group()
     return 0
+
+
+def _report(args) -> None:
+    if args.what == "compress":
+        ranks = [int(r) for r in args.ranks.split(",")]
+        print(f"torch {torch.__version__}, {args.threads} thread(s), CIFAR ResNet-18 gradients in one bucket, "
+              f"median of {args.steps} steps after {args.warmup}")
+        print("rank  ours ms   torch ms  ours/torch")
+        for row in bench_compress(ranks, args.steps, args.warmup):
+            print(f"{row['rank']:>4}  {row['ours_ms']:8.2f}  {row['torch_ms']:8.2f}  {row['ratio']:10.3f}")
+    else:
+        print("error_in_grad  held MB  model MB  held/model  transient MB (op → optimizer.step)  transient/model")
+        for row in bench_memory(args.steps):
+            print(f"{str(row['error_in_grad']):>13}  {row['held_bytes'] / 2**20:7.2f}  "
+                  f"{row['model_bytes'] / 2**20:8.2f}  {row['ratio']:10.4f}  "
+                  f"{row['transient_bytes_during_step'] / 2**20:35.2f}  {row['transient_ratio']:.4f}")
 
 
 if __name__ == "__main__":

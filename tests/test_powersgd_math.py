@@ -283,3 +283,14 @@ def test_cuda_state_and_step_stay_on_the_gradient_device():
     assert state["q"]["64x32"].shape == cpu_state["q"]["64x32"].shape
     psgd.compress_aggregate(plan, grads, state, psgd.PowerSGDOptions(), identity)
     assert grads[0].dtype == torch.float16 and torch.isfinite(grads[0].float()).all()
+
+
+def test_benchmark_script_runs_tiny():
+    """benchmarks/powersgd_benchmark.py end to end, tiny: its table, not its timings."""
+    from subprocesses import REPO, run_python
+
+    code, out, err = run_python([REPO / "benchmarks" / "powersgd_benchmark.py", "compress", "--ranks", "1",
+                                 "--steps", "1", "--warmup", "0"], timeout=120)
+    assert code == 0, err[-2000:]
+    (row,) = [line.split() for line in out.splitlines() if line.strip().startswith("1 ")]
+    assert float(row[1]) > 0 and float(row[2]) > 0 and float(row[3]) == pytest.approx(float(row[1]) / float(row[2]), rel=0.01)

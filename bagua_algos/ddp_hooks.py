@@ -20,6 +20,8 @@ error, both give the same update, see tests/test_powersgd_algorithm.py):
   plain averaging never loses in the first place.
 - ``epsilon`` defaults to 1e-8, so a zero gradient gives zeros; torch's default 0 gives
   NaN at rank ≤ 2 (Gram–Schmidt divides by a zero norm).
+- DDP rebuilds its buckets once, after the first step; a bucket whose layout changed
+  starts a fresh PowerSGD state (Q's, error). Load a saved state after that first step.
 - The initial Q's come from a generator on the gradients' device seeded with ``seed``
   and the bucket index; warm start does not re-orthogonalize Q each step (it would not
   change the result: Gram–Schmidt of A·T, T upper triangular, equals that of A).
@@ -102,9 +104,13 @@ def powersgd_hook(state: PowerSGDHookState, bucket) -> torch.futures.Future[torc
         plan = state.plans.get(index)
         if plan is None or plan.shapes != tuple(shapes):
             plan = state.plans[index] = psgd.make_plan(shapes, state.settings.rank, state.settings.min_compression_rate)
-        if index not in state.buckets:
+        signature = [list(s) for s in shapes]
+        if index not in state.buckets or state.buckets[index].get("plan_shapes") != signature:
+            # New bucket, or DDP rebuilt its buckets (it does once, after the first step):
+            # the state of a different layout cannot be reused, so it starts afresh.
             seed = psgd.stable_seed(state.settings.seed, f"ddp-bucket-{index}")
             state.buckets[index] = psgd.init_state(plan, seed, buffer.dtype, buffer.device, state.options.error_feedback)
+            state.buckets[index]["plan_shapes"] = signature
         grads, offset = [], 0
         for shape in shapes:
             n = math.prod(shape)

@@ -143,6 +143,15 @@ def _checks(rank, n):
         train(resumed, resumed_opt, rank, 3, first_step=4, zero_grad=zero)
         out["resume"][key] = all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
 
+    # --- an unflattened bucket trains exactly as a flattened one ----------------------------------
+    a, a_opt = wrap(PowerSGDAlgorithm(rank=2))
+    b = make_model(0)
+    b_opt = torch.optim.SGD(b.parameters(), lr=0.05, momentum=0.9)
+    b.with_bagua([b_opt], PowerSGDAlgorithm(rank=2), do_flatten=False)
+    train(a, a_opt, rank, 3)
+    train(b, b_opt, rank, 3)
+    out["unflattened_equal"] = all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
     # --- error_in_grad: same training as the separate buffer; zero_grad is refused ------------------
     a, a_opt = wrap(PowerSGDAlgorithm(rank=1))
     b, b_opt = wrap(PowerSGDAlgorithm(rank=1, error_in_grad=True))
@@ -180,18 +189,20 @@ def _checks(rank, n):
     (bucket,) = model.bagua_buckets
     total = bucket.state["error"].numel()
     before = (bucket.state["async_offset"], bucket.state["async_length"])
-    real = impl._async_handles[bucket.name]
 
-    class Late:  # rank 0's transfer "has not finished" when the next op begins
+    class Handle:  # the real transfer, with a lateness the test decides (timing would not)
+        def __init__(self, real, late):
+            self.real, self.late = real, late
+
         def is_completed(self):
-            return False
+            return not self.late
 
         def wait(self):
-            real.wait()
+            self.real.wait()
 
-    if rank == 0:
-        impl._async_handles[bucket.name] = Late()
-    train(model, opt, rank, 2, first_step=2)
+    for step, late in ((2, rank == 0), (3, False)):  # rank 0's transfer is late before step 2
+        impl._async_handles[bucket.name] = Handle(impl._async_handles[bucket.name], late)
+        train(model, opt, rank, 1, first_step=step)
     out["adaptive"] = (total, before, (bucket.state["async_offset"], bucket.state["async_length"]))
     out["ddp"] = _ddp_hook_checks(rank, n)
     return out
@@ -261,6 +272,18 @@ def _ddp_hook_checks(rank, n):
             out["torch_dead_nan"].append(bool(torch.isnan(theirs.module.dead.weight.grad).any()))
             out["ours_dead"].append(float(ours.module.dead.weight.grad.abs().max()))
     out["bytes_last_step"] = ours_state.bytes_last_step
+    # The hook's state_dict resumes it exactly.
+    saved = ours_state.state_dict()
+    again = PowerSGDHookState(rank=1, start_iter=2)
+    twin = DistributedDataParallel(DeadNet())
+    twin.register_comm_hook(again, powersgd_hook)
+    loss_fn(twin, batch(0, rank)).backward()  # DDP's first step: it rebuilds its buckets after it
+    again.load_state_dict(saved)
+    twin.module.load_state_dict(ours.module.state_dict())
+    for model in (ours, twin):
+        model.zero_grad()
+        loss_fn(model, batch(7, rank)).backward()
+    out["hook_resume"] = all(torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(), twin.parameters()))
     return out
 
 
@@ -283,6 +306,10 @@ def test_start_iter_allreduces_then_compresses_and_counts_bytes(results):
         assert [sent for _, sent, _ in steps] == [uncompressed, uncompressed, compressed, compressed]
         assert all(base == uncompressed for _, _, base in steps)
         assert out["bytes_total"] == 2 * uncompressed + 2 * compressed
+
+
+def test_unflattened_buckets_train_as_flattened_ones(results):
+    assert all(out["unflattened_equal"] for out in results)
 
 
 def test_every_mode_resumes_bit_for_bit(results):
@@ -319,6 +346,7 @@ def test_ddp_hook_agrees_with_torch_powersgd_hook(results):
         assert len(ddp["diff"]) == 3 and max(ddp["diff"]) < 1e-5, ddp["diff"]
         # Where they differ: a zero-gradient layer is NaN under torch's hook (epsilon 0), zero under ours.
         assert all(ddp["torch_dead_nan"]) and ddp["ours_dead"] == [0.0, 0.0, 0.0]
+        assert ddp["hook_resume"]
         assert ddp["bytes_last_step"] == 4 * ((24 + 16) + 2 * (8 + 24) + 24 + 8 + 8)
 
 

@@ -46,6 +46,7 @@ DEFAULT_CONFIGS = ";".join([
     "relay:topology=double_binary_tree",
     "terngrad:bits=2",
     "bytegrad:hierarchical=false",
+    "powersgd:rank=2",  # gradient compression: synchronous, so every worker holds the same model
 ])
 
 
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None, help="folder with the CIFAR-10 python batches (for --dataset cifar10)")
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help="';'-separated ALGO[:key=value,...] entries (default: allreduce_average, D-PSGD on a "
-                        "ring and with Bagua's 'all', relay on chain, binary tree, double binary tree)")
+                        "ring and with Bagua's 'all', relay on chain, binary tree, double binary tree, rank-2 powersgd)")
     p.add_argument("--alphas", type=positive_float_list, default=[1.0, 0.1, 0.01], help="Dirichlet alphas (default 1,0.1,0.01)")
     p.add_argument("--epochs", type=positive_int, default=30, help="epochs per run (default 30)")
     p.add_argument("--batch-size", type=positive_int, default=16, help="batch size per worker (default 16)")
@@ -121,6 +122,8 @@ def config_label(config) -> str:
         return f"{config.name} ({kwargs['topology']})"
     if "peer_selection_mode" in kwargs:
         return f"{config.name} ({kwargs['peer_selection_mode']})"
+    if config.name == "powersgd":
+        return f"powersgd (rank {kwargs.get('rank', 1)})"
     return config.name
 
 

@@ -564,6 +564,42 @@ def _(rank, n):
     model.with_bagua([opt], TernGradAlgorithm())
     _step(model, opt, rank)
 
+# --- powersgd ---
+
+
+def _powersgd(**kwargs):
+    from bagua_algos.algorithms import PowerSGDAlgorithm
+
+    return lambda: PowerSGDAlgorithm(**kwargs)
+
+
+for _id, _kwargs, _error, _match in (
+    ("powersgd_rank_zero", {"rank": 0}, ValueError, "rank must be an int >= 1, got 0"),
+    ("powersgd_rank_float", {"rank": 2.0}, ValueError, "rank must be an int >= 1, got 2.0"),
+    ("powersgd_orthogonalization", {"orthogonalization": "qr"}, ValueError,
+     "orthogonalization must be one of ['auto', 'gram_schmidt', 'cholesky_qr2', 'torch_qr', 'householder'], got 'qr'"),
+    ("powersgd_min_rate_below_one", {"min_compression_rate": 0.5}, ValueError,
+     "min_compression_rate must be a finite number >= 1.0, got 0.5"),
+    ("powersgd_min_rate_string", {"min_compression_rate": "2"}, ValueError, "min_compression_rate must be"),
+    ("powersgd_decay_above_one", {"error_decay": 1.5}, ValueError, "error_decay must be a finite number in [0.0, 1.0], got 1.5"),
+    ("powersgd_start_iter_negative", {"start_iter": -1}, ValueError, "start_iter must be an int >= 0, got -1"),
+    ("powersgd_epsilon_negative", {"epsilon": -1e-8}, ValueError, "epsilon must be a finite number >= 0.0, got -1e-08"),
+    ("powersgd_error_in_grad_async", {"error_in_grad": True, "async_error": "full"}, ValueError,
+     "error_in_grad=True and async_error cannot be combined"),
+):
+    add(_id, "PowerSGDAlgorithm(" + ", ".join(f"{k}={v!r}" for k, v in _kwargs.items()) + ")",
+        _error, _match, _powersgd(**_kwargs))
+
+
+@dist_probe("powersgd_error_in_grad_zero_grad", "PowerSGDAlgorithm(error_in_grad=True), then optimizer.zero_grad() "
+            "in the loop (it would erase the error kept in p.grad)", RuntimeError, "remove optimizer.zero_grad()")
+def _(rank, n):
+    from bagua_algos.algorithms import PowerSGDAlgorithm
+
+    model, opt = _wrap(PowerSGDAlgorithm(error_in_grad=True, min_compression_rate=1.0))
+    for step in range(3):
+        _step(model, opt, rank, step)  # _step calls opt.zero_grad() first
+
 
 # ============================================================================ running
 

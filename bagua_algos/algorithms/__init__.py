@@ -7,6 +7,7 @@ from .decentralized import DecentralizedAlgorithm, DecentralizedAlgorithmImpl, s
 from .gradient_allreduce import GradientAllReduceAlgorithm, GradientAllReduceAlgorithmImpl
 from .low_precision_decentralized import LowPrecisionDecentralizedAlgorithm, LowPrecisionDecentralizedAlgorithmImpl
 from .q_adam import QAdamAlgorithm, QAdamAlgorithmImpl, QAdamOptimizer
+from .powersgd import PowerSGDAlgorithm, PowerSGDAlgorithmImpl
 from .relay import RelayAlgorithm, RelayAlgorithmImpl
 from .terngrad import TernGradAlgorithm, TernGradAlgorithmImpl
 
@@ -26,6 +27,8 @@ __all__ = [
     "QAdamAlgorithm",
     "QAdamAlgorithmImpl",
     "QAdamOptimizer",
+    "PowerSGDAlgorithm",
+    "PowerSGDAlgorithmImpl",
     "RelayAlgorithm",
     "RelayAlgorithmImpl",
     "TernGradAlgorithm",

@@ -1,0 +1,400 @@
+"""PowerSGD (seed 001) as a Bagua gradient algorithm, with the thesis's variants (seed 000).
+
+Each bucket gets one op, run by the communication thread as soon as the bucket's
+gradients are ready, so a bucket's compression overlaps the rest of backward:
+
+1. the uncompressed tensors (vectors, 0-dim tensors, matrices compressing less than
+   ``min_compression_rate``) start one packed allreduce-mean;
+2. A_i = G_i + λ·e_i, P_i = A_i Q_i for every compressed tensor, written into one
+   packed buffer, one allreduce-mean of all P's;
+3. orthogonalize the P's, one batch per matrix shape;
+4. Q_i = A_iᵀ P_i into one packed buffer, one allreduce-mean of all Q's;
+5. G_i ← P_i Q_iᵀ, e_i ← A_i − P_i Q_iᵀ; Q kept for the warm start.
+
+The math is :mod:`bagua_algos.compression.powersgd`; this file only wires it to the
+runtime. Steps with ``bagua_train_step_counter ≤ start_iter`` (the counter is 1 on
+the first training forward) allreduce the gradients uncompressed, so ``start_iter=0``
+compresses from the first step.
+
+Per-bucket state (Q's, error buffer, generator state, counts) is in ``bucket.state``
+and so in ``module.bagua_state_dict()``: a resumed run continues bit for bit.
+
+Variants (seed 000 §3.4, §4.1.2):
+
+- ``error_decay=λ``: A = G + λ·e (decaying error feedback).
+- ``nesterov=λ_n``: before each forward the compressed weights move to w − λ_n·e;
+  after backward they are restored (from a copy, so every worker holds the same w).
+- ``async_error="full"`` / ``"adaptive"``: after compressing, the error buffer (all of
+  it, or a slice) is averaged over the workers by an asynchronous allreduce that runs
+  during the next forward/backward; the next step's op waits for it before using e.
+  The adaptive slice halves when the previous transfer had not finished on some worker
+  when the op began (every worker learns it through one extra element of the P
+  allreduce, so all agree on the size) and shifts by its length every step, so the
+  whole buffer is covered.
+- ``error_in_grad=True`` (DALL-E, seed 000 §3.4): no error buffer. Between steps
+  ``p.grad`` of each compressed parameter holds λ·e, so backward accumulates
+  A = G + λ·e in place. The op writes the update P Qᵀ into a buffer that exists only
+  from the op to the end of ``optimizer.step()`` (``p.grad`` points to it meanwhile)
+  and leaves e = A − P Qᵀ in the gradient buffer, where the post-step hook points
+  ``p.grad`` back (uncompressed gradients are zeroed there). **Do not call
+  ``optimizer.zero_grad()``** in this mode: it would erase the error. The algorithm
+  checks before each forward and raises if the gradients were set to None or zeroed.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+from ..compression import powersgd as psgd
+from ..compression.orthogonalization import METHODS as ORTHOGONALIZATION_METHODS
+from ..compression.orthogonalization import DEFAULT_EPSILON
+from ..runtime import comm
+from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+from .gradient_allreduce import check_flag
+
+__all__ = ["PowerSGDAlgorithm", "PowerSGDAlgorithmImpl", "ASYNC_ERROR_MODES"]
+
+ASYNC_ERROR_MODES = (None, "full", "adaptive")
+
+
+def _check_number(name: str, value, low: float, high: float = math.inf, what: str = "") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not (low <= value <= high):
+        bounds = what or (f"a finite number in [{low}, {high}]" if high < math.inf else f"a finite number >= {low}")
+        raise ValueError(f"{name} must be {bounds}, got {value!r}")
+    return float(value)
+
+
+def _check_int(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+class PowerSGDAlgorithmImpl(AlgorithmImpl):
+    def __init__(self, process_group, settings: "PowerSGDAlgorithm"):
+        super().__init__(process_group)
+        self.settings = settings
+        self.rank_r = settings.rank
+        self.options = psgd.PowerSGDOptions(
+            warm_start=settings.warm_start,
+            error_feedback=settings.error_feedback,
+            error_decay=settings.error_decay,
+            orthogonalization=settings.orthogonalization,
+            epsilon=settings.epsilon,
+            error_in_grad=settings.error_in_grad,
+        )
+        self._plans: dict = {}
+        self._compressed_params: dict = {}  # bucket name → [(tensor index, parameter)]
+        self._async_handles: dict = {}
+        self._nesterov_backup: dict = {}
+        self._approx_buffers: dict = {}
+        self._probes: dict = {}
+        self._error_held = False
+        self._nesterov_moved = False
+        self._lock = threading.Lock()
+        self.bytes_last_step = 0
+        """Bytes this worker handed to collectives in the last step: P and Q factors,
+        packed uncompressed tensors, plain-allreduce steps, averaged error slices."""
+        self.bytes_total = 0
+        self.uncompressed_bytes_last_step = 0
+        """What gradient allreduce would have sent in that step (the live ratio's base)."""
+        self._bytes_step = None
+
+    # --- set-up -------------------------------------------------------------------------
+    def init_operations(self, bagua_ddp, bucket) -> None:
+        bucket.clear_ops()
+        if self.settings.error_in_grad and not bucket.flatten:
+            raise ValueError(
+                "PowerSGDAlgorithm(error_in_grad=True) keeps the error in the bucket's gradient buffer; "
+                "wrap with do_flatten=True"
+            )
+        shapes = [tuple(t.bagua_getter_closure().shape) for t in bucket.tensors]
+        plan = psgd.make_plan(shapes, self.rank_r, self.settings.min_compression_rate)
+        self._plans[bucket.name] = plan
+        self._compressed_params[bucket.name] = [(i, bucket.tensors[i]) for i in plan.compressed]
+        if bucket.state.get("plan_shapes") != [list(s) for s in shapes]:
+            names = ",".join(t.bagua_tensor_name for t in bucket.tensors)
+            seed = psgd.stable_seed(self.settings.seed, names)
+            error_buffer = self.options.error_feedback and not self.options.error_in_grad
+            bucket.state.clear()
+            bucket.state.update(psgd.init_state(plan, seed, bucket.dtype, bucket.device, error_buffer))
+            bucket.state["plan_shapes"] = [list(s) for s in shapes]
+            if self.settings.async_error is not None:
+                bucket.state["async_offset"] = 0
+                bucket.state["async_length"] = plan.error_numel
+        bucket.append_python_op(lambda name, b=bucket: self._run(bagua_ddp, b), group=self.process_group)
+
+    def _grads(self, bucket, flat):
+        out, offset = [], 0
+        for t in bucket.tensors:
+            shape = t.bagua_getter_closure().shape
+            n = math.prod(shape)
+            out.append(flat[offset : offset + n].view(shape))
+            offset += n
+        return out
+
+    # --- the op (communication thread) --------------------------------------------------
+    def _run(self, bagua_ddp, bucket) -> None:
+        step = bagua_ddp.bagua_train_step_counter
+        flat = bucket.flat_view()
+        sent = 0
+        grad_bytes = sum(t.bagua_getter_closure().numel() for t in bucket.tensors) * flat.element_size()
+        if step <= self.settings.start_iter:
+            comm.allreduce_inplace(flat, comm.ReduceOp.AVG, group=self.process_group)
+            bucket.write_flat(flat)
+            self._count(step, flat.numel() * flat.element_size(), grad_bytes)
+            return
+        plan = self._plans[bucket.name]
+        state = bucket.state
+        late = None
+        if self.settings.async_error is not None:
+            handle = self._async_handles.pop(bucket.name, None)
+            late = torch.zeros(1, dtype=torch.float32, device=flat.device)
+            if handle is not None:
+                if not handle.is_completed():
+                    late.fill_(1.0)
+                handle.wait()
+        grads = self._grads(bucket, flat)
+        out = None
+        if self.options.error_in_grad:
+            approx = torch.empty(plan.error_numel, dtype=flat.dtype, device=flat.device)
+            out = {}
+            for i in plan.compressed:
+                offset = plan.error_offsets[i]
+                out[i] = approx[offset : offset + grads[i].numel()].view(grads[i].shape)
+            self._approx_buffers[bucket.name] = (approx, out)
+
+        def allreduce_mean(t):
+            comm.allreduce_inplace(t, comm.ReduceOp.AVG, group=self.process_group)
+
+        def start_allreduce_mean(t):
+            return comm.allreduce_inplace(t, comm.ReduceOp.AVG, group=self.process_group, async_op=True)
+
+        result = psgd.compress_aggregate(plan, grads, state, self.options, allreduce_mean, start_allreduce_mean,
+                                         out=out, p_extra=late)
+        sent += result.total
+        if not self.options.error_in_grad:
+            bucket.write_flat(flat)
+        if self.settings.async_error is not None and plan.error_numel:
+            sent += self._start_error_average(bucket, late is not None and float(late[0]) > 0)
+        self._count(step, sent, grad_bytes)
+
+    def _start_error_average(self, bucket, someone_late: bool) -> int:
+        state = bucket.state
+        error = state["error"]
+        total = error.numel()
+        if self.settings.async_error == "full":
+            piece = error
+        else:
+            if someone_late:
+                state["async_length"] = max(1, state["async_length"] // 2)
+            length = min(state["async_length"], total)
+            start = state["async_offset"] % total
+            end = start + length
+            if end <= total:
+                piece = error[start:end]
+            else:  # wraps around: average a contiguous copy, then write it back
+                piece = None
+                idx = torch.arange(start, end, device=error.device) % total
+                copy = error[idx].contiguous()
+                handle = comm.allreduce_inplace(copy, comm.ReduceOp.AVG, group=self.process_group, async_op=True)
+                handle.then(lambda: error.index_copy_(0, idx, copy))
+                self._async_handles[bucket.name] = handle
+                state["async_offset"] = end % total
+                return copy.numel() * copy.element_size()
+            state["async_offset"] = end % total
+        handle = comm.allreduce_inplace(piece, comm.ReduceOp.AVG, group=self.process_group, async_op=True)
+        self._async_handles[bucket.name] = handle
+        return piece.numel() * piece.element_size()
+
+    def _count(self, step: int, sent: int, uncompressed: int) -> None:
+        with self._lock:
+            if self._bytes_step != step:
+                self._bytes_step = step
+                self.bytes_last_step = 0
+                self.uncompressed_bytes_last_step = 0
+            self.bytes_last_step += sent
+            self.uncompressed_bytes_last_step += uncompressed
+            self.bytes_total += sent
+
+    def wait_async_error(self) -> None:
+        """Wait for the error averages still in flight (before reading the errors)."""
+        for name in list(self._async_handles):
+            self._async_handles.pop(name).wait()
+
+    # --- hooks (training thread) --------------------------------------------------------
+    def _compressing(self, bagua_ddp) -> bool:
+        return bagua_ddp.bagua_train_step_counter > self.settings.start_iter
+
+    def _error_of(self, bucket, index: int, param) -> torch.Tensor:
+        if self.options.error_in_grad:
+            return param.grad
+        plan = self._plans[bucket.name]
+        offset = plan.error_offsets[index]
+        return bucket.state["error"][offset : offset + param.numel()].view(param.shape)
+
+    def init_forward_pre_hook(self, bagua_ddp):
+        def hook(inputs):
+            if self.options.error_in_grad and self._error_held:
+                self._check_error_kept(bagua_ddp)
+            if self.settings.nesterov and self._compressing(bagua_ddp) and self.options.error_feedback:
+                self.wait_async_error()
+                with torch.no_grad():
+                    for bucket in bagua_ddp.bagua_buckets:
+                        for index, param in self._compressed_params[bucket.name]:
+                            backup = self._nesterov_backup.get(id(param))
+                            if backup is None or backup.shape != param.shape:
+                                backup = self._nesterov_backup[id(param)] = torch.empty_like(param)
+                            backup.copy_(param)
+                            param.sub_(self._error_of(bucket, index, param), alpha=self.settings.nesterov)
+                self._nesterov_moved = True
+
+        return hook
+
+    def init_post_backward_hook(self, bagua_ddp):
+        def hook():
+            try:
+                bagua_ddp._bagua_backend.wait_pending_comm_ops()
+            finally:
+                if getattr(self, "_nesterov_moved", False):
+                    self._nesterov_moved = False
+                    with torch.no_grad():
+                        for bucket in bagua_ddp.bagua_buckets:
+                            for _, param in self._compressed_params[bucket.name]:
+                                param.copy_(self._nesterov_backup[id(param)])
+            if self.options.error_in_grad and self._compressing(bagua_ddp):
+                for bucket in bagua_ddp.bagua_buckets:
+                    entry = self._approx_buffers.get(bucket.name)
+                    if entry is None:
+                        continue
+                    _, out = entry
+                    for index, param in self._compressed_params[bucket.name]:
+                        param.grad = out[index]
+
+        return hook
+
+    def init_post_optimizer_step_hook(self, bagua_ddp):
+        def hook(optimizer):
+            if not self.options.error_in_grad:
+                return
+            if not self._approx_buffers:  # an uncompressed step: the user does not zero gradients
+                with torch.no_grad():
+                    for bucket in bagua_ddp.bagua_buckets:
+                        for tensor, grad in zip(bucket.tensors, self._grads(bucket, bucket.backend_tensor)):
+                            tensor.bagua_setter_closure(grad.zero_())
+                self._probes.clear()
+                self._error_held = True
+                return
+            # p.grad ← λ·e (in the bucket's buffer); uncompressed gradients ← 0.
+            with torch.no_grad():
+                for bucket in bagua_ddp.bagua_buckets:
+                    if self._approx_buffers.pop(bucket.name, None) is None:
+                        continue
+                    grads = self._grads(bucket, bucket.backend_tensor)
+                    plan = self._plans[bucket.name]
+                    for tensor, grad in zip(bucket.tensors, grads):
+                        tensor.bagua_setter_closure(grad)
+                    for i in plan.uncompressed:
+                        grads[i].zero_()
+                    if self.options.error_decay != 1.0:
+                        for i in plan.compressed:
+                            grads[i].mul_(self.options.error_decay)
+                    if plan.compressed:
+                        first = grads[plan.compressed[0]].reshape(-1)
+                        k = int(first.abs().argmax())
+                        self._probes[bucket.name] = (plan.compressed[0], k, bool(first[k] != 0))
+            self._error_held = True
+
+        return hook
+
+    def _check_error_kept(self, bagua_ddp) -> None:
+        """error_in_grad: the gradients hold the error; refuse to go on if it was erased."""
+        fix = ("PowerSGDAlgorithm(error_in_grad=True) keeps the compression error in p.grad between steps; "
+               "remove optimizer.zero_grad() / module.zero_grad() from the training loop (the algorithm resets "
+               "the gradients itself after optimizer.step()), or use error_in_grad=False")
+        for bucket in bagua_ddp.bagua_buckets:
+            probe = self._probes.get(bucket.name)
+            for index, param in self._compressed_params[bucket.name]:
+                if param.grad is None:
+                    raise RuntimeError(f"parameter {param.bagua_tensor_name!r} has grad None: {fix}")
+            if probe is not None and probe[2]:
+                index, k, _ = probe
+                grad = bucket.tensors[index].grad
+                if grad.data_ptr() == 0 or float(grad.reshape(-1)[k]) == 0.0:
+                    raise RuntimeError(f"the gradient of {bucket.tensors[index].bagua_tensor_name!r} was zeroed: {fix}")
+
+    # --- checkpointing --------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        self.wait_async_error()  # the error buffers must be final before they are copied
+        return {"bytes_total": self.bytes_total}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.wait_async_error()
+        self.bytes_total = int(state.get("bytes_total", 0))
+
+
+class PowerSGDAlgorithm(Algorithm):
+    """PowerSGD gradient compression (Vogels et al.), registered as ``"powersgd"``.
+
+    Args:
+        rank: r, the rank of each gradient matrix's approximation (int ≥ 1).
+        start_iter: steps with ``bagua_train_step_counter ≤ start_iter`` allreduce
+            uncompressed (int ≥ 0; 0 compresses from the first step).
+        min_compression_rate: compress a matrix only if n·m ≥ rate·(n + m)·r (≥ 1).
+        warm_start: keep Q from step to step (True) or redraw it every step.
+        error_feedback: keep each worker's compression error and add it back.
+        error_decay: λ ∈ [0, 1], A = G + λ·e (1: the paper's error feedback).
+        orthogonalization: one of ``compression.orthogonalization.METHODS``.
+        epsilon: norms are clamped to ≥ epsilon when orthogonalizing, so zero and
+            rank-deficient gradients give zeros (0 turns the clamp off, as torch's
+            hook: a zero gradient then gives NaN).
+        seed: the initial Q's (identical on every worker).
+        nesterov: λ_n ≥ 0; > 0 enables Nesterov error feedback (0: off).
+        async_error: None, ``"full"`` or ``"adaptive"`` (asynchronous error averaging).
+        error_in_grad: keep the error in the gradient buffer (no extra buffer).
+    """
+
+    def __init__(self, rank: int = 1, start_iter: int = 0, min_compression_rate: float = 2.0,
+                 warm_start: bool = True, error_feedback: bool = True, error_decay: float = 1.0,
+                 orthogonalization: str = "auto", epsilon: float = DEFAULT_EPSILON, seed: int = 0,
+                 nesterov: float = 0.0, async_error=None, error_in_grad: bool = False):
+        self.rank = _check_int("rank", rank, 1)
+        self.start_iter = _check_int("start_iter", start_iter, 0)
+        self.min_compression_rate = _check_number("min_compression_rate", min_compression_rate, 1.0)
+        self.warm_start = check_flag("warm_start", warm_start)
+        self.error_feedback = check_flag("error_feedback", error_feedback)
+        self.error_decay = _check_number("error_decay", error_decay, 0.0, 1.0)
+        if orthogonalization not in ORTHOGONALIZATION_METHODS:
+            raise ValueError(f"orthogonalization must be one of {list(ORTHOGONALIZATION_METHODS)}, got {orthogonalization!r}")
+        self.orthogonalization = orthogonalization
+        self.epsilon = _check_number("epsilon", epsilon, 0.0)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        self.seed = seed
+        self.nesterov = _check_number("nesterov", nesterov, 0.0)
+        if async_error not in ASYNC_ERROR_MODES:
+            raise ValueError(f"async_error must be one of {list(ASYNC_ERROR_MODES)}, got {async_error!r}")
+        self.async_error = async_error
+        self.error_in_grad = check_flag("error_in_grad", error_in_grad)
+        needs_error = [n for n, on in (("nesterov", self.nesterov > 0), ("async_error", async_error is not None),
+                                        ("error_in_grad", self.error_in_grad)) if on]
+        if needs_error and not self.error_feedback:
+            raise ValueError(f"{needs_error[0]} works on the error-feedback buffer; it needs error_feedback=True")
+        if self.error_in_grad and async_error is not None:
+            raise ValueError(
+                "error_in_grad=True and async_error cannot be combined: the error would be averaged in the "
+                "background while backward accumulates into the same buffer"
+            )
+
+    def reify(self, process_group) -> PowerSGDAlgorithmImpl:
+        return PowerSGDAlgorithmImpl(process_group, self)
+
+
+GlobalAlgorithmRegistry.register(
+    "powersgd", PowerSGDAlgorithm, "PowerSGD: rank-r gradient compression with error feedback"
+)

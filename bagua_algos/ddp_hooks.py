@@ -1,0 +1,133 @@
+"""PowerSGD as a torch DDP communication hook, for users of plain ``DistributedDataParallel``::
+
+    state = PowerSGDHookState(rank=2)
+    ddp_model.register_comm_hook(state, powersgd_hook)
+
+The compression is the same code as the ``powersgd`` Bagua algorithm
+(:func:`bagua_algos.compression.powersgd.compress_aggregate`); collectives go through
+:mod:`bagua_algos.runtime.comm`. The hook runs the whole step inside the call and
+returns a completed future, so a bucket's compression overlaps the rest of backward
+only as far as DDP runs hooks while autograd continues (DDP calls the hook from the
+autograd thread once a bucket is ready; torch's own hook chains futures instead).
+
+Differences from torch's ``powerSGD_hook`` (same math otherwise: with the same Q and
+error, both give the same update, see tests/test_powersgd_algorithm.py):
+
+- ``start_iter`` may be any value from 0 (torch requires ``start_powerSGD_iter`` > 1
+  with error feedback or warm start). Steps 1 … ``start_iter`` allreduce plainly.
+- Error feedback covers the compressed tensors only; torch's also feeds back, for the
+  uncompressed tensors, each worker's deviation from the mean (local − mean), which
+  plain averaging never loses in the first place.
+- ``epsilon`` defaults to 1e-8, so a zero gradient gives zeros; torch's default 0 gives
+  NaN at rank ≤ 2 (Gram–Schmidt divides by a zero norm).
+- DDP rebuilds its buckets once, after the first step; a bucket whose layout changed
+  starts a fresh PowerSGD state (Q's, error). Load a saved state after that first step.
+- The initial Q's come from a generator on the gradients' device seeded with ``seed``
+  and the bucket index; warm start does not re-orthogonalize Q each step (it would not
+  change the result: Gram–Schmidt of A·T, T upper triangular, equals that of A).
+"""
+
+import math
+
+import torch
+
+from .algorithms.powersgd import PowerSGDAlgorithm
+from .compression import powersgd as psgd
+from .compression.orthogonalization import DEFAULT_EPSILON
+from .runtime import comm
+
+__all__ = ["PowerSGDHookState", "powersgd_hook"]
+
+
+class PowerSGDHookState:
+    """Settings and per-bucket state of :func:`powersgd_hook` (arguments as
+    :class:`~bagua_algos.algorithms.PowerSGDAlgorithm`; the variants are not offered)."""
+
+    def __init__(self, process_group=None, rank: int = 1, start_iter: int = 0, min_compression_rate: float = 2.0,
+                 warm_start: bool = True, error_feedback: bool = True, error_decay: float = 1.0,
+                 orthogonalization: str = "auto", epsilon: float = DEFAULT_EPSILON, seed: int = 0):
+        settings = PowerSGDAlgorithm(rank=rank, start_iter=start_iter, min_compression_rate=min_compression_rate,
+                                     warm_start=warm_start, error_feedback=error_feedback, error_decay=error_decay,
+                                     orthogonalization=orthogonalization, epsilon=epsilon, seed=seed)
+        self.settings = settings
+        self.process_group = process_group
+        self.options = psgd.PowerSGDOptions(warm_start=warm_start, error_feedback=error_feedback,
+                                            error_decay=settings.error_decay, orthogonalization=orthogonalization,
+                                            epsilon=settings.epsilon)
+        self.iter = 0
+        """Steps finished (counted when the last bucket of a step is hooked)."""
+        self.plans: dict = {}
+        self.buckets: dict = {}  # bucket index → psgd state
+        self.bytes_last_step = 0
+        self.bytes_total = 0
+        self._group = None
+
+    def group(self):
+        if self._group is None and self.process_group is not None:
+            self._group = comm.from_torch_group(self.process_group)
+        return self._group
+
+    def state_dict(self) -> dict:
+        return {"iter": self.iter, "bytes_total": self.bytes_total,
+                "buckets": {k: _clone(v) for k, v in self.buckets.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.iter = int(state["iter"])
+        self.bytes_total = int(state["bytes_total"])
+        self.buckets = {k: _clone(v) for k, v in state["buckets"].items()}
+
+
+def _clone(value):
+    if torch.is_tensor(value):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    return value
+
+
+def powersgd_hook(state: PowerSGDHookState, bucket) -> torch.futures.Future[torch.Tensor]:
+    """``DistributedDataParallel.register_comm_hook(state, powersgd_hook)``: one PowerSGD
+    step on the bucket's flat gradient buffer; the future holds the averaged update.
+    (No ``from __future__ import annotations`` in this file: DDP checks the return
+    annotation's value.)"""
+    buffer = bucket.buffer()
+    group = state.group()
+    step = state.iter + 1  # 1 on the first step, as bagua_train_step_counter
+    if bucket.index() == 0:
+        state.bytes_last_step = 0
+    if step <= state.settings.start_iter:
+        comm.allreduce_inplace(buffer, comm.ReduceOp.AVG, group=group)
+        sent = buffer.numel() * buffer.element_size()
+    else:
+        shapes = [tuple(p.shape) for p in bucket.parameters()]
+        index = bucket.index()
+        plan = state.plans.get(index)
+        if plan is None or plan.shapes != tuple(shapes):
+            plan = state.plans[index] = psgd.make_plan(shapes, state.settings.rank, state.settings.min_compression_rate)
+        signature = [list(s) for s in shapes]
+        if index not in state.buckets or state.buckets[index].get("plan_shapes") != signature:
+            # New bucket, or DDP rebuilt its buckets (it does once, after the first step):
+            # the state of a different layout cannot be reused, so it starts afresh.
+            seed = psgd.stable_seed(state.settings.seed, f"ddp-bucket-{index}")
+            state.buckets[index] = psgd.init_state(plan, seed, buffer.dtype, buffer.device, state.options.error_feedback)
+            state.buckets[index]["plan_shapes"] = signature
+        grads, offset = [], 0
+        for shape in shapes:
+            n = math.prod(shape)
+            grads.append(buffer[offset : offset + n].view(shape))
+            offset += n
+
+        def mean(t):
+            comm.allreduce_inplace(t, comm.ReduceOp.AVG, group=group)
+
+        def start(t):
+            return comm.allreduce_inplace(t, comm.ReduceOp.AVG, group=group, async_op=True)
+
+        sent = psgd.compress_aggregate(plan, grads, state.buckets[index], state.options, mean, start).total
+    state.bytes_last_step += sent
+    state.bytes_total += sent
+    if bucket.is_last():
+        state.iter += 1
+    future = torch.futures.Future()
+    future.set_result(buffer)
+    return future

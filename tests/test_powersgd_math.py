@@ -1,0 +1,296 @@
+"""PowerSGD math in one process (bagua_algos.compression.powersgd): the allreduce is the
+identity, so these check the compression itself; tests/test_powersgd_algorithm.py
+checks it across workers."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from bagua_algos.compression import powersgd as psgd
+from benchmarks.cifar_resnet import CifarResNet18
+
+
+def identity(t):
+    return None
+
+
+def run(grads, rank=1, state=None, seed=0, rate=2.0, **options):
+    """One step on copies of ``grads``; returns (updates, state, bytes)."""
+    grads = [g.clone() for g in grads]
+    plan = psgd.make_plan([g.shape for g in grads], rank, rate)
+    if state is None:
+        state = psgd.init_state(plan, seed, grads[0].dtype, grads[0].device, options.get("error_feedback", True))
+    sent = psgd.compress_aggregate(plan, grads, state, psgd.PowerSGDOptions(**options), identity)
+    return grads, state, sent
+
+
+def low_rank_matrix(n, m, singular_values, generator):
+    u, _ = torch.linalg.qr(torch.randn(n, len(singular_values), generator=generator, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(m, len(singular_values), generator=generator, dtype=torch.float64))
+    return (u * torch.tensor(singular_values, dtype=torch.float64)) @ v.T
+
+
+# --- Table 10 ---------------------------------------------------------------------------------
+TABLE_10 = {  # parameter → (matrix shape, compression × r), seed 001 Table 10
+    "layer4.1.conv2": ((512, 4608), 461), "layer4.0.conv2": ((512, 4608), 461),
+    "layer4.1.conv1": ((512, 4608), 461), "layer4.0.conv1": ((512, 2304), 419),
+    "layer3.1.conv2": ((256, 2304), 230), "layer3.1.conv1": ((256, 2304), 230),
+    "layer3.0.conv2": ((256, 2304), 230), "layer3.0.conv1": ((256, 1152), 209),
+    "layer2.1.conv2": ((128, 1152), 115), "layer2.1.conv1": ((128, 1152), 115),
+    "layer2.0.conv2": ((128, 1152), 115), "layer4.0.shortcut.0": ((512, 256), 171),
+    "layer2.0.conv1": ((128, 576), 105), "layer1.1.conv1": ((64, 576), 58),
+    "layer1.1.conv2": ((64, 576), 58), "layer1.0.conv2": ((64, 576), 58),
+    "layer1.0.conv1": ((64, 576), 58), "layer3.0.shortcut.0": ((256, 128), 85),
+    "layer2.0.shortcut.0": ((128, 64), 43), "linear": ((10, 512), 10), "conv1": ((64, 27), 19),
+}
+
+
+def test_resnet18_ratios_match_table_10():
+    summary = psgd.compression_summary(CifarResNet18(), rank=1)
+    layers = {layer["name"]: layer for layer in summary["layers"]}
+    for name, (shape, ratio) in TABLE_10.items():
+        layer = layers[name + ".weight"]
+        assert layer["matrix_shape"] == shape and layer["compressed"], name
+        assert round(layer["ratio"]) == ratio, (name, layer["ratio"])
+    vectors = [layer for layer in summary["layers"] if not layer["compressed"]]
+    assert all(len(layer["shape"]) == 1 for layer in vectors)
+    assert round(sum(layer["uncompressed_bytes"] for layer in vectors) / 1000) == 38  # "38 KB"
+    assert round(summary["total_ratio"]) == 243  # "Total 43 MB, 243/r"
+    assert summary["total_uncompressed_bytes"] / 2**20 == pytest.approx(42.6, abs=0.1)
+    # At rank r every matrix's ratio is the table's divided by r (min rate 1: all compressed).
+    two = {layer["name"]: layer for layer in psgd.compression_summary(CifarResNet18(), 2, 1.0)["layers"]}
+    for name, (_, ratio) in TABLE_10.items():
+        assert two[name + ".weight"]["ratio"] * 2 == pytest.approx(layers[name + ".weight"]["ratio"])
+    # The head (10 × 512, 9.8/r) stops being compressed once 9.8/r < min_compression_rate.
+    eight = {layer["name"]: layer for layer in psgd.compression_summary(CifarResNet18(), 8)["layers"]}
+    assert not eight["linear.weight"]["compressed"] and eight["layer4.1.conv2.weight"]["compressed"]
+
+
+def test_summary_counts_match_the_live_bytes():
+    model = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.Linear(20, 3))
+    summary = psgd.compression_summary(model, rank=2)
+    grads = [torch.randn_like(p) for p in model.parameters()]
+    _, _, sent = run(grads, rank=2)
+    assert sent.total == summary["total_compressed_bytes"]
+    assert sent.p == 4 * 2 * 20 and sent.q == 4 * 2 * 30 and sent.uncompressed == 4 * (20 + 3 + 20 * 3)
+
+
+def test_summary_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="rank must be"):
+        psgd.compression_summary(torch.nn.Linear(2, 2), rank=0)
+    with pytest.raises(ValueError, match="min_compression_rate must be"):
+        psgd.compression_summary(torch.nn.Linear(2, 2), rank=1, min_compression_rate=0.5)
+
+
+# --- exactness, warm start, error feedback --------------------------------------------------------
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 12), m=st.integers(1, 12), extra=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_rank_at_least_min_dimension_is_exact(n, m, extra, seed):
+    g = torch.Generator().manual_seed(seed)
+    grad = torch.randn(n, m, generator=g, dtype=torch.float64)
+    rank = min(n, m) + extra
+    (update,), state, _ = run([grad], rank=rank, rate=0.0, error_feedback=True, orthogonalization="gram_schmidt")
+    torch.testing.assert_close(update, grad, rtol=1e-9, atol=1e-9)
+    assert float(state["error"].abs().max()) < 1e-9
+
+
+@pytest.mark.parametrize("method", ["gram_schmidt", "cholesky_qr2", "torch_qr"])
+def test_warm_start_converges_to_the_best_rank_r_approximation(method):
+    g = torch.Generator().manual_seed(1)
+    m = low_rank_matrix(40, 60, [8.0, 4.0, 2.0, 1.0, 0.5, 0.25], g).float()
+    rank = 2
+    u, s, vh = torch.linalg.svd(m.double())
+    best = (u[:, :rank] * s[:rank]) @ vh[:rank]
+    state = None
+    for _ in range(40):  # subspace iteration: error ∝ (σ3/σ2)^k = 2^-k
+        (update,), state, _ = run([m], rank=rank, state=state, error_feedback=False, orthogonalization=method)
+    assert float(torch.linalg.norm(update.double() - best) / torch.linalg.norm(best)) < 1e-4
+    # Without the warm start one step from a random Q is far from it.
+    (cold,), _, _ = run([m], rank=rank, error_feedback=False, warm_start=False)
+    assert float(torch.linalg.norm(cold.double() - best) / torch.linalg.norm(best)) > 1e-3
+
+
+@settings(max_examples=15, deadline=None)
+@given(steps=st.integers(1, 6), seed=st.integers(0, 2**16), rank=st.integers(1, 3))
+def test_error_feedback_makes_updates_track_gradients(steps, seed, rank):
+    """λ = 1: Σ_t update_t + e_T = Σ_t G_t (every bit of gradient is applied or kept)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(7, 3, 2), (5,), (7, 6), (9, 4)]
+    state = None
+    applied = [torch.zeros(s, dtype=torch.float64) for s in shapes]
+    given_ = [torch.zeros(s, dtype=torch.float64) for s in shapes]
+    for _ in range(steps):
+        grads = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+        updates, state, _ = run(grads, rank=rank, state=state, rate=1.0)
+        for a, u in zip(applied, updates):
+            a += u
+        for t, gr in zip(given_, grads):
+            t += gr
+    plan = psgd.make_plan(shapes, rank, 1.0)
+    for i, (a, t) in enumerate(zip(applied, given_)):
+        if i in plan.error_offsets:
+            off = plan.error_offsets[i]
+            a = a + state["error"][off : off + a.numel()].view(a.shape)
+        torch.testing.assert_close(a, t, rtol=1e-9, atol=1e-9)
+
+
+def test_decay_scales_the_error_that_is_added_back():
+    g = torch.Generator().manual_seed(3)
+    first = [torch.randn(12, 10, generator=g)]
+    second = [torch.randn(12, 10, generator=g)]
+    _, state, _ = run(first, rank=1, error_decay=0.5)
+    e1 = state["error"].clone()
+    q = {k: v.clone() for k, v in state["q"].items()}
+    (update,), state2, _ = run(second, rank=1, state=state, error_decay=0.5)
+    # Same as no decay on G + 0.5·e with the same Q and no error.
+    ref_state = {"q": q, "rng_state": state["rng_state"], "compressed_steps": 1}
+    (ref,), _, _ = run([second[0] + 0.5 * e1.view(12, 10)], rank=1, state=ref_state, error_feedback=False)
+    torch.testing.assert_close(update, ref)
+
+
+# --- degenerate inputs ---------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["auto", "gram_schmidt", "cholesky_qr2", "torch_qr", "householder"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_zero_and_rank_deficient_gradients_give_no_nan(method, dtype):
+    g = torch.Generator().manual_seed(0)
+    zero = torch.zeros(16, 8, dtype=dtype)
+    deficient = (torch.randn(16, 1, generator=g) @ torch.randn(1, 8, generator=g)).to(dtype)
+    scalar = torch.tensor(2.5, dtype=dtype)
+    single = torch.tensor([[-1.0]], dtype=dtype)
+    state = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # householder without cuda_ext warns once
+        for _ in range(3):
+            updates, state, _ = run([zero, deficient, scalar, single], rank=4, state=state, rate=1.0,
+                                    orthogonalization=method)
+            assert all(u.dtype == dtype and torch.isfinite(u.float()).all() for u in updates)
+            assert not updates[0].any()
+            torch.testing.assert_close(updates[1].float(), deficient.float(), rtol=2e-2, atol=2e-2)
+            assert updates[2] == scalar and updates[3] == single  # uncompressed, mean of one worker
+            assert torch.isfinite(state["error"].float()).all()
+
+
+def test_zero_gradient_does_not_freeze_the_warm_start():
+    """A zero gradient makes Q zero; the zero columns are redrawn, so a later nonzero
+    gradient is still approximated."""
+    state = None
+    _, state, _ = run([torch.zeros(6, 5)], rank=1, state=state, error_feedback=False)
+    assert all(torch.linalg.vector_norm(q) > 0 for q in state["q"].values())
+    grad = torch.outer(torch.arange(1.0, 7.0), torch.arange(1.0, 6.0))
+    (update,), _, _ = run([grad], rank=1, state=state, error_feedback=False)
+    torch.testing.assert_close(update, grad, rtol=1e-5, atol=1e-4)
+
+
+def test_fp16_is_computed_in_fp32():
+    g = torch.Generator().manual_seed(5)
+    grad = torch.randn(32, 16, generator=g)
+    (half,), _, sent = run([grad.half()], rank=2, error_feedback=False)
+    (full,), _, _ = run([grad.half().float()], rank=2, error_feedback=False)
+    assert half.dtype == torch.float16
+    torch.testing.assert_close(half, full.half())
+    assert sent.p == 4 * 32 * 2  # the factors travel in float32
+
+
+# --- state -----------------------------------------------------------------------------------------
+def test_initial_q_depends_only_on_the_seed():
+    plan = psgd.make_plan([(8, 4), (8, 4), (3, 9)], 2, 1.0)
+    a = psgd.init_state(plan, 7, torch.float32, "cpu", True)
+    b = psgd.init_state(plan, 7, torch.float32, "cpu", True)
+    c = psgd.init_state(plan, 8, torch.float32, "cpu", True)
+    assert a["q"].keys() == {"8x4", "3x9"} and a["q"]["8x4"].shape == (2, 4, 2)
+    assert all(torch.equal(a["q"][k], b["q"][k]) for k in a["q"])
+    assert not torch.equal(a["q"]["8x4"], c["q"]["8x4"])
+    assert psgd.stable_seed(1, "x") == psgd.stable_seed(1, "x") != psgd.stable_seed(1, "y")
+
+
+def test_cold_start_draws_from_the_saved_generator():
+    grads = [torch.randn(10, 6)]
+    _, state, _ = run(grads, rank=1, warm_start=False, error_feedback=False)
+    saved = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()}
+    saved["q"] = {k: v.clone() for k, v in state["q"].items()}
+    (a,), _, _ = run(grads, rank=1, state=state, warm_start=False, error_feedback=False)
+    (b,), _, _ = run(grads, rank=1, state=saved, warm_start=False, error_feedback=False)
+    assert torch.equal(a, b)
+
+
+def test_error_in_grad_mode_matches_the_separate_buffer():
+    g = torch.Generator().manual_seed(9)
+    shapes = [(10, 8), (4,), (10, 8)]
+    plan = psgd.make_plan(shapes, 2, 1.0)
+    sep = psgd.init_state(plan, 0, torch.float32, "cpu", True)
+    inside = psgd.init_state(plan, 0, torch.float32, "cpu", False)
+    held = [torch.zeros(s) for s in shapes]  # error_in_grad: the gradient buffers
+    for _ in range(3):
+        grads = [torch.randn(s, generator=g) for s in shapes]
+        a = [x.clone() for x in grads]
+        psgd.compress_aggregate(plan, a, sep, psgd.PowerSGDOptions(), identity)
+        for i in plan.uncompressed:
+            held[i].zero_()
+        for h, x in zip(held, grads):
+            h += x
+        out = {i: torch.empty(shapes[i]) for i in plan.compressed}
+        psgd.compress_aggregate(plan, held, inside, psgd.PowerSGDOptions(error_in_grad=True), identity, out=out)
+        for i in plan.compressed:
+            torch.testing.assert_close(out[i], a[i])
+            off = plan.error_offsets[i]
+            torch.testing.assert_close(held[i], sep["error"][off : off + 80].view(10, 8))
+        torch.testing.assert_close(held[1], a[1])
+
+
+def test_plan_groups_matrices_by_shape():
+    plan = psgd.make_plan([(4, 3, 3), (7,), (4, 9), (2, 2), (), (5, 9)], 1, 2.0)
+    assert [(g.key, g.members) for g in plan.groups] == [("4x9", (0, 2)), ("5x9", (5,))]
+    assert plan.uncompressed == (1, 3, 4)
+    assert plan.p_numel == 2 * 4 + 5 and plan.q_numel == 3 * 9
+    assert plan.error_offsets == {0: 0, 2: 36, 5: 72} and plan.error_numel == 117
+    assert psgd.should_compress((512, 512, 3, 3), 4, 2.0) and not psgd.should_compress((10, 512), 8, 2.0)
+    assert math.isclose(512 * 4608 / (5120 * 1), 460.8)
+
+
+# --- constructor checks beyond the probes (benchmarks/probe_bad_input.py has the main ones) ------
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"rank": -2}, ValueError, "rank must be an int >= 1, got -2"),
+    ({"error_decay": -0.1}, ValueError, "error_decay must be a finite number in [0.0, 1.0], got -0.1"),
+    ({"start_iter": 1.5}, ValueError, "start_iter must be an int >= 0, got 1.5"),
+    ({"warm_start": "false"}, TypeError, "warm_start must be True or False"),
+    ({"async_error": "half"}, ValueError, "async_error must be one of [None, 'full', 'adaptive']"),
+    ({"nesterov": -1.0}, ValueError, "nesterov must be a finite number >= 0.0"),
+    ({"nesterov": 0.1, "error_feedback": False}, ValueError, "nesterov works on the error-feedback buffer"),
+    ({"error_in_grad": True, "error_feedback": False}, ValueError, "error_in_grad works on the error-feedback buffer"),
+    ({"error_in_grad": True, "async_error": "full"}, ValueError, "cannot be combined"),
+    ({"seed": 1.0}, ValueError, "seed must be an int"),
+])
+def test_constructor_refuses_bad_arguments(kwargs, error, match):
+    from bagua_algos.algorithms import PowerSGDAlgorithm
+
+    with pytest.raises(error) as info:
+        PowerSGDAlgorithm(**kwargs)
+    assert match in str(info.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_state_and_step_stay_on_the_gradient_device():
+    grads = [torch.randn(64, 32, device="cuda", dtype=torch.float16), torch.randn(32, device="cuda")]
+    plan = psgd.make_plan([g.shape for g in grads], 2, 2.0)
+    state = psgd.init_state(plan, 0, torch.float16, "cuda", True)
+    assert state["q"]["64x32"].device.type == "cuda" and state["error"].device.type == "cuda"
+    cpu_state = psgd.init_state(plan, 0, torch.float16, "cpu", True)
+    assert state["q"]["64x32"].shape == cpu_state["q"]["64x32"].shape
+    psgd.compress_aggregate(plan, grads, state, psgd.PowerSGDOptions(), identity)
+    assert grads[0].dtype == torch.float16 and torch.isfinite(grads[0].float()).all()
+
+
+def test_benchmark_script_runs_tiny():
+    """benchmarks/powersgd_benchmark.py end to end, tiny: its table, not its timings."""
+    from subprocesses import REPO, run_python
+
+    code, out, err = run_python([REPO / "benchmarks" / "powersgd_benchmark.py", "compress", "--ranks", "1",
+                                 "--steps", "1", "--warmup", "0"], timeout=120)
+    assert code == 0, err[-2000:]
+    (row,) = [line.split() for line in out.splitlines() if line.strip().startswith("1 ")]
+    assert float(row[1]) > 0 and float(row[2]) > 0 and float(row[3]) == pytest.approx(float(row[1]) / float(row[2]), rel=0.01)

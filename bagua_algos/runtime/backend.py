@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import queue
 import threading
+import time
 import traceback
 from typing import TYPE_CHECKING
 
@@ -38,8 +39,8 @@ if TYPE_CHECKING:
 
 __all__ = ["BaguaBackend", "CommOpError", "get_backend", "stop_communication_threads"]
 
-# How long the exit hook waits for an op still running on a communication thread
-# (e.g. the script died of an exception mid-step) before leaving it to its fate.
+# How long the exit hook waits, in all, for ops still running on the communication threads
+# (e.g. the script died of an exception mid-step) before leaving them running.
 EXIT_JOIN_TIMEOUT_S = 60.0
 
 # Tells a worker to return (queued after the jobs handed over before it).
@@ -167,14 +168,20 @@ class BaguaBackend:
     def stop(self, timeout: float | None = None) -> bool:
         """End the communication thread once the ops handed to it have run (a new one
         starts on the next hand-over). Returns whether it ended within ``timeout`` s."""
+        thread = self._request_stop()
+        if thread is not None:
+            thread.join(timeout)
+        return thread is None or not thread.is_alive()
+
+    def _request_stop(self) -> threading.Thread | None:
+        """Queue the stop marker; the thread that will see it (None if there is none)."""
         with self._lock:
             thread = self._thread
             if thread is None:
-                return True
+                return None
             self._jobs.put(_STOP)
             self._thread, self._stopped = None, thread
-        thread.join(timeout)
-        return not thread.is_alive()
+            return thread
 
     def _work(self, previous: threading.Thread | None) -> None:
         if previous is not None:
@@ -232,10 +239,14 @@ def get_backend(module_name: str) -> BaguaBackend:
 
 def stop_communication_threads(timeout: float | None = None) -> bool:
     """End every module's communication thread after the ops already handed to it;
-    whether all ended within ``timeout`` seconds (each)."""
+    whether all ended within ``timeout`` seconds (one deadline for all of them)."""
     with _backends_lock:
         backends = list(_backends.values())
-    return all([backend.stop(timeout) for backend in backends])
+    threads = [t for t in (b._request_stop() for b in backends) if t is not None]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for thread in threads:
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in threads)
 
 
 # Why the threads are ended at exit: they are daemon threads, and CPython ends a daemon

@@ -25,8 +25,10 @@ for the communication stream.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import time
 import traceback
 from typing import TYPE_CHECKING
 
@@ -35,7 +37,14 @@ import torch
 if TYPE_CHECKING:
     from .bucket import BaguaBucket
 
-__all__ = ["BaguaBackend", "CommOpError", "get_backend"]
+__all__ = ["BaguaBackend", "CommOpError", "get_backend", "stop_communication_threads"]
+
+# How long the exit hook waits, in all, for ops still running on the communication threads
+# (e.g. the script died of an exception mid-step) before leaving them running.
+EXIT_JOIN_TIMEOUT_S = 60.0
+
+# Tells a worker to return (queued after the jobs handed over before it).
+_STOP = None
 
 
 class CommOpError(RuntimeError):
@@ -58,6 +67,7 @@ class BaguaBackend:
         self._error: tuple[BaseException, str, str] | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._stopped: threading.Thread | None = None  # told to stop, maybe still running
         self._streams: dict = {}
         self._done_events: list = []
 
@@ -146,14 +156,41 @@ class BaguaBackend:
     # --- the communication thread -------------------------------------------------------
     def _start_worker(self) -> None:
         if self._thread is None or not self._thread.is_alive():
+            _register_exit_hook()
+            # A thread told to stop may still be running the ops queued before the stop:
+            # the new one waits for it, so ops still run one at a time, in order.
+            previous, self._stopped = self._stopped, None
             self._thread = threading.Thread(
-                target=self._work, name=f"bagua-comm-{self.module_name}", daemon=True
+                target=self._work, args=(previous,), name=f"bagua-comm-{self.module_name}", daemon=True
             )
             self._thread.start()
 
-    def _work(self) -> None:
+    def stop(self, timeout: float | None = None) -> bool:
+        """End the communication thread once the ops handed to it have run (a new one
+        starts on the next hand-over). Returns whether it ended within ``timeout`` s."""
+        thread = self._request_stop()
+        if thread is not None:
+            thread.join(timeout)
+        return thread is None or not thread.is_alive()
+
+    def _request_stop(self) -> threading.Thread | None:
+        """Queue the stop marker; the thread that will see it (None if there is none)."""
+        with self._lock:
+            thread = self._thread
+            if thread is None:
+                return None
+            self._jobs.put(_STOP)
+            self._thread, self._stopped = None, thread
+            return thread
+
+    def _work(self, previous: threading.Thread | None) -> None:
+        if previous is not None:
+            previous.join()
         while True:
-            bucket, events = self._jobs.get()
+            job = self._jobs.get()
+            if job is _STOP:
+                return
+            bucket, events = job
             done = None
             try:
                 if self._error is None:  # after a failure, later buckets are skipped
@@ -168,6 +205,7 @@ class BaguaBackend:
                 self._in_flight -= 1
                 if self._in_flight == 0:
                     self._idle.notify_all()
+            del job, bucket, events, done  # an idle thread keeps no bucket (nor its groups) alive
 
     def _run(self, bucket: "BaguaBucket", events):
         device = bucket.device
@@ -197,3 +235,33 @@ def get_backend(module_name: str) -> BaguaBackend:
         if backend is None:
             backend = _backends[module_name] = BaguaBackend(module_name)
         return backend
+
+
+def stop_communication_threads(timeout: float | None = None) -> bool:
+    """End every module's communication thread after the ops already handed to it;
+    whether all ended within ``timeout`` seconds (one deadline for all of them)."""
+    with _backends_lock:
+        backends = list(_backends.values())
+    threads = [t for t in (b._request_stop() for b in backends) if t is not None]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for thread in threads:
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in threads)
+
+
+# Why the threads are ended at exit: they are daemon threads, and CPython ends a daemon
+# thread that wakes up during interpreter finalization with pthread_exit. When that
+# happens inside torch's C++ code (an op that released the GIL, e.g. a matrix product
+# or a gloo wait), the unwinding meets a noexcept frame and std::terminate aborts the
+# process ("terminate called without an active exception", SIGABRT), even after a
+# successful run. Ending them first, at exit, lets the last op finish and leaves no
+# thread of ours running during finalization. The hook is registered when the first
+# thread starts, i.e. after comm.init_process_group registered its own exit hook, so
+# (atexit runs hooks last-in first-out) the threads end before the groups are destroyed.
+_exit_hook = {"registered": False}
+
+
+def _register_exit_hook() -> None:
+    if not _exit_hook["registered"]:
+        atexit.register(stop_communication_threads, EXIT_JOIN_TIMEOUT_S)
+        _exit_hook["registered"] = True

@@ -1,0 +1,117 @@
+"""A process leaves cleanly while (or after) its communication threads work.
+
+CPython kills a daemon thread that wakes up during interpreter finalization with
+pthread_exit; inside torch's C++ code that ends in std::terminate ("terminate called
+without an active exception", SIGABRT). The runtime ends its communication threads at
+exit, after the ops handed to them, so no thread of ours is running then.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from bagua_algos.runtime import backend as backend_module
+from bagua_algos.runtime.backend import BaguaBackend
+from subprocesses import REPO, child_env, run_python
+
+SCRIPT = REPO / "tests" / "launch_workers" / "exit_mid_op.py"
+
+
+class FakeBucket:
+    """What the backend needs of a bucket: tensors, a name, a device and its ops."""
+
+    def __init__(self, name: str, log: list, seconds: float = 0.0):
+        self.name = name
+        self.tensors = [torch.zeros(1)]
+        self.device = torch.device("cpu")
+        self._log, self._seconds = log, seconds
+
+    def _before_ops(self) -> None:
+        pass
+
+    def _run_ops(self) -> None:
+        time.sleep(self._seconds)
+        self._log.append((self.name, threading.current_thread().name))
+
+
+def hand_over(backend: BaguaBackend, bucket: FakeBucket) -> None:
+    backend.mark_communication_ready(bucket.tensors[0])
+
+
+def test_stop_runs_what_was_handed_over_and_ends_the_thread():
+    log: list = []
+    slow, fast = FakeBucket("slow", log, seconds=0.3), FakeBucket("fast", log)
+    backend = BaguaBackend("stop-test")
+    backend.register_ordered_buckets([slow, fast])
+    hand_over(backend, slow)
+    thread = backend._thread
+    assert backend.stop(timeout=10)  # waits for the slow op, which still runs
+    assert not thread.is_alive() and log == [("slow", "bagua-comm-stop-test")]
+    hand_over(backend, fast)  # a new thread starts for the next hand-over
+    backend.wait_pending_comm_ops()
+    assert [name for name, _ in log] == ["slow", "fast"]
+    assert backend.stop(timeout=10) and backend.stop(timeout=10)  # idempotent
+
+
+def test_ops_stay_in_order_when_a_stopped_thread_is_still_busy():
+    log: list = []
+    first, second = FakeBucket("first", log, seconds=0.4), FakeBucket("second", log)
+    backend = BaguaBackend("busy-stop-test")
+    backend.register_ordered_buckets([first, second])
+    hand_over(backend, first)
+    assert not backend.stop(timeout=0.01)  # still running the first op
+    hand_over(backend, second)  # the new thread waits for the old one
+    backend.wait_pending_comm_ops()
+    assert [name for name, _ in log] == ["first", "second"]
+    backend.stop(timeout=10)
+
+
+def test_idle_thread_holds_no_bucket():
+    import gc
+    import weakref
+
+    log: list = []
+    bucket = FakeBucket("b", log)
+    backend = BaguaBackend("idle-test")
+    backend.register_ordered_buckets([bucket])
+    hand_over(backend, bucket)
+    backend.wait_pending_comm_ops()
+    ref = weakref.ref(bucket)
+    backend.register_ordered_buckets([])
+    del bucket
+    for _ in range(50):  # the thread drops its references right after the op's bookkeeping
+        gc.collect()
+        if ref() is None:
+            break
+        time.sleep(0.01)
+    assert ref() is None
+    backend.stop(timeout=10)
+
+
+def test_stop_communication_threads_covers_every_module():
+    log: list = []
+    buckets = [FakeBucket(f"m{i}", log, seconds=0.05) for i in range(3)]
+    backends = [backend_module.get_backend(f"exit-test-module-{i}") for i in range(3)]
+    for b, bucket in zip(backends, buckets):
+        b.register_ordered_buckets([bucket])
+        hand_over(b, bucket)
+    threads = [b._thread for b in backends]
+    assert backend_module.stop_communication_threads(timeout=10)
+    assert sorted(name for name, _ in log) == ["m0", "m1", "m2"]
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_leaving_mid_op_finishes_the_op_and_exits_with_the_scripts_code():
+    """sys.exit(0) / an uncaught error right after buckets were handed over: before the
+    fix 6 of 8 such runs aborted with SIGABRT (exit code -6) and the op never finished."""
+    runs = []
+    for mode, expected in (("exit", 0), ("raise", 1)) * 2:
+        code, out, err = run_python([SCRIPT, mode], env=child_env(), timeout=60)
+        runs.append((mode, code))
+        assert "terminate called" not in err, f"{mode}: {err[-2000:]}"
+        assert code == expected, f"{mode}: exit code {code}\n{err[-2000:]}"
+        assert "op of bucket" in out and "done" in out, f"{mode}: the op did not finish\n{out}"
+    print(runs)

@@ -21,8 +21,12 @@ Methods (``METHODS``):
 - ``"torch_qr"``: ``torch.linalg.qr`` (Householder), batched; always orthonormal
   columns (an arbitrary unit column where A is rank deficient).
 - ``"householder"``: the compiled batched Householder QR of ``cuda_ext`` (one call for
-  all shapes). When the extension cannot be built or loaded, ``"torch_qr"`` (the same
-  algorithm in torch) is used instead, with one warning.
+  all shapes: one CUDA kernel launch, or one parallel loop on CPU), with LAPACK's sign
+  convention, so Q matches ``"torch_qr"`` up to rounding. Here ``epsilon`` is relative
+  to the matrix's largest entry: a column whose remaining norm is below it gets a unit
+  column orthogonal to the others (not a zero column as in Gram–Schmidt). When the
+  extension cannot be built or loaded, ``"torch_qr"`` (the same algorithm in torch) is
+  used instead, with one warning.
 - ``"auto"``: ``"householder"`` when the extension is already loaded, else
   ``"gram_schmidt"`` (cheapest at PowerSGD's small ranks, and what torch's hook uses).
 
@@ -131,13 +135,17 @@ _BATCH_METHODS = {"gram_schmidt": gram_schmidt, "cholesky_qr2": cholesky_qr2, "t
 _extension_failure_warned = False
 
 
-def _householder_or_none():
-    """``cuda_ext.orthogonalize`` if the extension builds and loads, else None (warned once)."""
+def _householder_or_none(devices):
+    """``cuda_ext.orthogonalize`` if the extension builds and loads for every device of
+    ``devices``, else None (warned once per process)."""
     global _extension_failure_warned
     try:
         import cuda_ext  # a top-level package of this project
 
-        return cuda_ext.load_orthogonalize()
+        householder = None
+        for device in devices:
+            householder = cuda_ext.load_orthogonalize(device)
+        return householder
     except Exception as error:  # noqa: BLE001 — any build or load failure means: fall back
         if not _extension_failure_warned:
             _extension_failure_warned = True
@@ -150,19 +158,19 @@ def _householder_or_none():
         return None
 
 
-def _householder_loaded() -> bool:
+def _householder_loaded(devices) -> bool:
     try:
         import cuda_ext
 
-        return bool(cuda_ext.is_loaded())
+        return all(cuda_ext.is_loaded(device) for device in devices)
     except Exception:  # noqa: BLE001
         return False
 
 
-def _resolve(method: str) -> str:
+def _resolve(method: str, devices) -> str:
     check_method(method)
     if method == "auto":
-        return "householder" if _householder_loaded() else "gram_schmidt"
+        return "householder" if devices and _householder_loaded(devices) else "gram_schmidt"
     return method
 
 
@@ -187,11 +195,11 @@ def orthogonalize_batch(batch: torch.Tensor, method: str = "auto", epsilon: floa
         raise ValueError(f"batch must be a 3-D floating-point tensor (b × m × r), got {_describe(batch)}")
     if batch.shape[2] > batch.shape[1]:
         raise ValueError(f"batch must hold m × r matrices with r ≤ m, got shape {tuple(batch.shape)}")
-    method = _resolve(method)
+    method = _resolve(method, {batch.device})
     if batch.numel() == 0:
         return batch.clone()
     if method == "householder":
-        householder = _householder_or_none()
+        householder = _householder_or_none({batch.device})
         if householder is not None:
             return torch.stack(householder(list(batch.unbind(0)), epsilon=epsilon))
         method = "torch_qr"
@@ -215,9 +223,12 @@ def orthogonalize(
     matrices = list(matrices)
     for index, matrix in enumerate(matrices):
         _check_matrix(index, matrix)
-    method = _resolve(method)
+    if not matrices:
+        return []
+    devices = {matrix.device for matrix in matrices}
+    method = _resolve(method, devices)
     if method == "householder":
-        householder = _householder_or_none()
+        householder = _householder_or_none(devices)
         if householder is not None:
             return list(householder(matrices, epsilon=epsilon))
         method = "torch_qr"

@@ -74,6 +74,19 @@ def orthogonalize(matrices: Sequence[torch.Tensor], epsilon: float = DEFAULT_EPS
     processed one device at a time (one call each).
     """
     epsilon = _check_epsilon(epsilon)
+    if isinstance(matrices, (list, tuple)):
+        # Fast path: one device. The compiled module checks shapes and dtypes itself
+        # (with the same messages), so the per-matrix Python checks are skipped here.
+        try:
+            devices = {a.device for a in matrices}
+        except AttributeError:
+            devices = None
+        if devices is not None and not devices:
+            return []
+        if devices is not None and len(devices) == 1:
+            kind = _loader.kind_for(next(iter(devices)))
+            if _loader.loaded(kind):  # else: check in Python first, so bad input is a ValueError even if the build fails
+                return _loader.load(kind).orthogonalize(list(matrices), epsilon)
     matrices = _check_matrices(matrices)
     by_device = defaultdict(list)
     for index, a in enumerate(matrices):

@@ -9,10 +9,12 @@ Methods (``METHODS``):
 - ``"gram_schmidt"``: column-by-column Gram–Schmidt, batched over matrices of one
   shape, as torch's ``powerSGD_hook`` does it, with the projection done twice:
 
-      a_i ← a_i − Q_{<i}(Q_{<i}ᵀ a_i)  (twice)      q_i ← a_i / max(‖a_i‖, ε)
+      a_i ← a_i − Q_{<i}(Q_{<i}ᵀ a_i)  (twice)      q_i ← a_i / max(‖a_i‖, ε·max|A|)
 
-  ``epsilon`` clamps the norm: a zero (or linearly dependent) column becomes a zero
-  column instead of NaN, so a zero gradient compresses to zero.
+  ``epsilon`` clamps the norm, relative to the matrix's largest entry (ε alone for a
+  zero matrix), so the result does not depend on A's scale: a zero (or linearly
+  dependent) column becomes a (near-)zero column instead of NaN, so a zero gradient
+  compresses to zero.
 - ``"cholesky_qr2"``: two passes of Cholesky QR (G = AᵀA = LLᵀ, Q = A L⁻ᵀ), batched;
   the first pass has a small shift s·I (s ∝ m·r·u·‖A‖²_F, Fukaya et al.'s shifted
   CholeskyQR) so an ill-conditioned A still factors. Matrices where a pass fails, or
@@ -84,13 +86,17 @@ def gram_schmidt(batch: torch.Tensor, epsilon: float = DEFAULT_EPSILON) -> torch
     not be orthogonal to the others.
     """
     q = batch.to(_compute_dtype(batch.dtype), copy=True)
+    # The clamp is relative to each matrix's largest entry (ε itself for a zero
+    # matrix), so Q does not depend on A's scale: Q(cA) = Q(A) for c > 0.
+    largest = q.abs().amax(dim=(-2, -1), keepdim=True)
+    floor = torch.where(largest > 0, largest * epsilon, torch.full_like(largest, epsilon))
     for i in range(q.shape[-1]):
         col = q[..., i : i + 1]
         if i:
             done = q[..., :i]
             for _ in range(2):
                 col.sub_(done @ (done.transpose(-2, -1) @ col))  # a_i −= Q (Qᵀ a_i)
-        col.div_(torch.linalg.vector_norm(col, dim=-2, keepdim=True).clamp_min_(epsilon))
+        col.div_(torch.maximum(torch.linalg.vector_norm(col, dim=-2, keepdim=True), floor))
     return q
 
 

@@ -75,6 +75,22 @@ HH_HD double inverse_power_of_two(double x) {
   return ldexp(1.0, -e);
 }
 
+// sum of a[i] * b[i] for i = begin, begin + step, ... < end, with four running sums
+// (independent add chains; a fixed order, so still reproducible).
+template <typename acc_t>
+HH_HD acc_t strided_dot(const acc_t* a, const acc_t* b, int64_t begin, int64_t end, int64_t step) {
+  acc_t s0 = acc_t(0), s1 = acc_t(0), s2 = acc_t(0), s3 = acc_t(0);
+  int64_t i = begin;
+  for (; i + 3 * step < end; i += 4 * step) {
+    s0 += a[i] * b[i];
+    s1 += a[i + step] * b[i + step];
+    s2 += a[i + 2 * step] * b[i + 2 * step];
+    s3 += a[i + 3 * step] * b[i + 3 * step];
+  }
+  for (; i < end; i += step) s0 += a[i] * b[i];
+  return (s0 + s1) + (s2 + s3);
+}
+
 struct SumOp {
   template <typename T>
   HH_HD T operator()(T a, T b) const { return a + b; }
@@ -124,11 +140,8 @@ HH_HD void apply_reflection(Team& team, acc_t* w, int64_t m, int64_t cols, int64
       const int64_t col = chunk + g / per_column;
       const int slice = g % per_column;
       const acc_t* x = w + col * m;
-      acc_t part = acc_t(0);
-      for (int64_t i = j + static_cast<int64_t>(slice) * group_size + team.lane(); i < m;
-           i += static_cast<int64_t>(per_column) * group_size) {
-        part += v[i] * x[i];
-      }
+      acc_t part = strided_dot(v, x, j + static_cast<int64_t>(slice) * group_size + team.lane(), m,
+                               static_cast<int64_t>(per_column) * group_size);
       part = team.group_sum(part);
       if (team.lane() == 0) team.partial()[g] = part;
     }
@@ -160,8 +173,7 @@ HH_HD void householder_q_inplace(Team& team, acc_t* w, int64_t m, int64_t r, acc
   for (int64_t j = 0; j < r; ++j) {
     acc_t* x = w + j * m;
     const acc_t x0 = x[j];
-    acc_t part = acc_t(0);
-    for (int64_t i = j + 1 + t; i < m; i += nt) part += x[i] * x[i];
+    const acc_t part = strided_dot(x, x, j + 1 + t, m, nt);
     const acc_t sigma = team.reduce(part, SumOp());  // all threads read x0 before this
     const acc_t alpha = hh_sqrt(x0 * x0 + sigma);
     if (sigma > acc_t(0) && alpha > epsilon) {
@@ -193,28 +205,34 @@ HH_HD void householder_q_inplace(Team& team, acc_t* w, int64_t m, int64_t r, acc
 #endif
 template <typename Team, typename scalar_t, typename acc_t>
 HH_HD void orthogonalize_matrix(Team& team, const MatrixDesc& d, acc_t* w, acc_t epsilon) {
-  const int64_t m = d.rows, r = d.cols, n = m * r;
+  const int64_t m = d.rows, r = d.cols;
   const int t = team.thread();
   const int nt = team.threads();
   const scalar_t* in = static_cast<const scalar_t*>(d.input);
   scalar_t* out = static_cast<scalar_t*>(d.output);
+  // Each thread copies, scales and writes back the same entries (rows t, t + nt, ...
+  // of every column), so only the scale needs the team.
   acc_t largest = acc_t(0);
-  for (int64_t idx = t; idx < n; idx += nt) {
-    const int64_t i = idx / r, k = idx % r;
-    const acc_t a = static_cast<acc_t>(in[i * d.in_row_stride + k * d.in_col_stride]);
-    w[i + k * m] = a;
-    largest = MaxOp()(largest, hh_abs(a));
+  for (int64_t k = 0; k < r; ++k) {
+    const scalar_t* in_col = in + k * d.in_col_stride;
+    acc_t* w_col = w + k * m;
+    for (int64_t i = t; i < m; i += nt) {
+      const acc_t a = static_cast<acc_t>(in_col[i * d.in_row_stride]);
+      w_col[i] = a;
+      largest = MaxOp()(largest, hh_abs(a));
+    }
   }
   const acc_t scale = inverse_power_of_two(team.reduce(largest, MaxOp()));
-  for (int64_t idx = t; idx < n; idx += nt) {
-    const int64_t i = idx / r, k = idx % r;
-    w[i + k * m] *= scale;  // the same thread wrote this entry above
+  for (int64_t k = 0; k < r; ++k) {
+    acc_t* w_col = w + k * m;
+    for (int64_t i = t; i < m; i += nt) w_col[i] *= scale;
   }
   team.barrier();
   householder_q_inplace(team, w, m, r, epsilon);
-  for (int64_t idx = t; idx < n; idx += nt) {
-    const int64_t i = idx / r, k = idx % r;
-    out[i * d.out_row_stride + k * d.out_col_stride] = static_cast<scalar_t>(w[i + k * m]);
+  for (int64_t k = 0; k < r; ++k) {
+    scalar_t* out_col = out + k * d.out_col_stride;
+    const acc_t* w_col = w + k * m;
+    for (int64_t i = t; i < m; i += nt) out_col[i * d.out_row_stride] = static_cast<scalar_t>(w_col[i]);
   }
 }
 

@@ -4,6 +4,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -93,7 +94,12 @@ std::vector<at::Tensor> orthogonalize_cpu(const std::vector<at::Tensor>& matrice
   if (static_cast<int64_t>(ws.doubles.size()) < double_size) ws.doubles.resize(double_size);
   float* float_work = ws.floats.data();
   double* double_work = ws.doubles.data();
-  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+  // Threads only pay off with enough work (about m r^2 per matrix): below ~256k
+  // multiply-adds in all, waking a second thread costs more than it saves.
+  int64_t work = 0;
+  for (const auto& d : descs) work += d.rows * d.cols * d.cols;
+  const int64_t grain = work < (int64_t(1) << 18) ? std::max<int64_t>(count, 1) : 1;
+  at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       if (descs[i].rows * descs[i].cols == 0) continue;
       run_one_any(matrices[i].scalar_type(), descs[i], float_work, double_work, epsilon);

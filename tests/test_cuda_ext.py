@@ -43,6 +43,10 @@ def cpu_ext():
 def cuda_ext_fn():
     if not HAS_CUDA:
         pytest.skip("needs a CUDA device")
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None:
+        pytest.skip("a CUDA device but no CUDA toolkit (set CUDA_HOME): the CUDA extension cannot be built")
     return cuda_ext.load_orthogonalize("cuda")
 
 

@@ -62,14 +62,16 @@ struct BlockTeam {
   __device__ __forceinline__ static acc_t Identity(MaxOp) { return acc_t(0); }  // reduced values are >= 0
 };
 
+// Up to 1024 threads per block (threads_for_rows): the bound makes the compiler keep
+// registers within what such a block may use.
 template <typename scalar_t>
-__global__ void orthogonalize_kernel(const MatrixDesc* __restrict__ descs, void* global_work, int shared_work,
+__global__ void __launch_bounds__(1024) orthogonalize_kernel(const MatrixDesc* __restrict__ descs, void* global_work, int shared_work,
                                      double epsilon) {
   using acc_t = typename AccumulateType<scalar_t>::type;
   __shared__ acc_t reduce_slots[kMaxWarps + 1];
   __shared__ acc_t partial_slots[kMaxWarps];
   __shared__ acc_t dot_slots[kMaxWarps];
-  extern __shared__ unsigned char dynamic_shared[];
+  extern __shared__ __align__(16) unsigned char dynamic_shared[];
   const MatrixDesc d = descs[blockIdx.x];
   if (d.rows * d.cols == 0) return;  // uniform over the block
   acc_t* work = shared_work ? reinterpret_cast<acc_t*>(dynamic_shared)

@@ -14,7 +14,8 @@ PACKAGE_DATA = {"cuda_ext": ["csrc/*.h", "csrc/*.cpp", "csrc/*.cu"]}
 def compiled_extensions():
     """cuda_ext's modules built now, when BAGUA_BUILD_CUDA_EXT asks for it (else they are
     built on first use): "cpu", "cuda", or "1" (cpu, plus cuda when a toolkit is found).
-    Needs torch at build time: ``BAGUA_BUILD_CUDA_EXT=1 pip install --no-build-isolation .``"""
+    Needs torch at build time: ``BAGUA_BUILD_CUDA_EXT=1 pip install --no-build-isolation .``;
+    without a visible GPU the CUDA build also needs TORCH_CUDA_ARCH_LIST (e.g. "8.0;9.0")."""
     wanted = os.environ.get("BAGUA_BUILD_CUDA_EXT", "").strip().lower()
     if wanted in ("", "0", "no", "false"):
         return {}
@@ -28,7 +29,7 @@ def compiled_extensions():
     if wanted != "cuda":
         modules.append(CppExtension("cuda_ext._orthogonalize_cpu", cpu_sources,
                                     include_dirs=[os.path.abspath(csrc)], extra_compile_args=["-O3"]))
-    if wanted == "cuda" or CUDA_HOME is not None:
+    if wanted == "cuda" or (wanted != "cpu" and CUDA_HOME is not None):
         cuda_sources = cpu_sources + [os.path.join(csrc, s) for s in ("orthogonalize_cuda.cpp", "orthogonalize_kernel.cu")]
         modules.append(CUDAExtension("cuda_ext._orthogonalize_cuda", cuda_sources, include_dirs=[os.path.abspath(csrc)],
                                      extra_compile_args={"cxx": ["-O3", "-DBAGUA_WITH_CUDA"], "nvcc": ["-O3"]}))

@@ -259,8 +259,13 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch):
     for a, q in zip(inputs, first):
         assert torch.allclose(q, torch.linalg.qr(a).Q)
     assert torch.allclose(second[1], torch.linalg.qr(inputs[0]).Q)
-    # "auto" does not try to build: Gram–Schmidt while nothing is loaded.
-    assert orthogonalization._resolve("auto", {torch.device("cpu")}) == "gram_schmidt"
+    # "auto" does not try to build: while nothing is loaded, batched torch QR on CPU for
+    # r ≥ 2, Gram–Schmidt for r = 1 (and on GPUs).
+    cpu = {torch.device("cpu")}
+    assert orthogonalization._resolve("auto", cpu, 1) == "gram_schmidt"
+    assert orthogonalization._resolve("auto", cpu, 4) == "torch_qr"
+    assert orthogonalization._resolve("auto", {torch.device("cuda", 0)}, 4) == "gram_schmidt"
+    assert not _loader._modules
 
 
 def test_missing_compiler_in_a_fresh_process_warns_and_trains_on(tmp_path):

@@ -1,9 +1,40 @@
+import os
+
 from setuptools import find_packages, setup
 
 # The importable top-level packages and all their subpackages (directories with an
 # __init__.py), e.g. bagua_algos.compat and the compatibility package under it,
 # bagua_algos.compat.bagua. benchmarks/ and tests/ are not installed.
-PACKAGE_ROOTS = ["bagua_algos", "topologies", "samplers"]
+PACKAGE_ROOTS = ["bagua_algos", "topologies", "samplers", "cuda_ext"]
+
+# cuda_ext compiles its C++/CUDA sources on first use, so they are installed with it.
+PACKAGE_DATA = {"cuda_ext": ["csrc/*.h", "csrc/*.cpp", "csrc/*.cu"]}
+
+
+def compiled_extensions():
+    """cuda_ext's modules built now, when BAGUA_BUILD_CUDA_EXT asks for it (else they are
+    built on first use): "cpu", "cuda", or "1" (cpu, plus cuda when a toolkit is found).
+    Needs torch at build time: ``BAGUA_BUILD_CUDA_EXT=1 pip install --no-build-isolation .``;
+    without a visible GPU the CUDA build also needs TORCH_CUDA_ARCH_LIST (e.g. "8.0;9.0")."""
+    wanted = os.environ.get("BAGUA_BUILD_CUDA_EXT", "").strip().lower()
+    if wanted in ("", "0", "no", "false"):
+        return {}
+    if wanted not in ("1", "yes", "true", "cpu", "cuda"):
+        raise SystemExit(f"BAGUA_BUILD_CUDA_EXT must be one of 1, cpu, cuda (or unset), got {wanted!r}")
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+    csrc = os.path.join("cuda_ext", "csrc")
+    cpu_sources = [os.path.join(csrc, s) for s in ("bindings.cpp", "orthogonalize_cpu.cpp")]
+    modules = []
+    if wanted != "cuda":
+        modules.append(CppExtension("cuda_ext._orthogonalize_cpu", cpu_sources,
+                                    include_dirs=[os.path.abspath(csrc)], extra_compile_args=["-O3"]))
+    if wanted == "cuda" or (wanted != "cpu" and CUDA_HOME is not None):
+        cuda_sources = cpu_sources + [os.path.join(csrc, s) for s in ("orthogonalize_cuda.cpp", "orthogonalize_kernel.cu")]
+        modules.append(CUDAExtension("cuda_ext._orthogonalize_cuda", cuda_sources, include_dirs=[os.path.abspath(csrc)],
+                                     extra_compile_args={"cxx": ["-O3", "-DBAGUA_WITH_CUDA"], "nvcc": ["-O3"]}))
+    return {"ext_modules": modules, "cmdclass": {"build_ext": BuildExtension}}
+
 
 setup(
     name="bagua-algos",
@@ -14,6 +45,8 @@ setup(
     ),
     python_requires=">=3.10",
     packages=find_packages(include=[p for root in PACKAGE_ROOTS for p in (root, root + ".*")]),
+    package_data=PACKAGE_DATA,
     install_requires=["torch>=2.4", "torchvision", "numpy", "tqdm", "matplotlib", "scikit-learn"],
     extras_require={"test": ["pytest", "hypothesis"]},
+    **compiled_extensions(),
 )

@@ -1,0 +1,145 @@
+"""Building and loading the compiled orthogonalization, once per process and kind.
+
+Two kinds of module, both from the sources in ``csrc/``:
+
+- ``"cpu"``: ``bindings.cpp`` + ``orthogonalize_cpu.cpp`` (C++ only, ~15-30 s to build);
+- ``"cuda"``: the same plus ``orthogonalize_cuda.cpp`` and ``orthogonalize_kernel.cu``
+  (nvcc, about a minute); it serves CPU tensors too.
+
+A module is taken from, in order: this process (already loaded); a copy built at
+install time (``BAGUA_BUILD_CUDA_EXT=1 pip install --no-build-isolation .`` puts
+``cuda_ext._orthogonalize_cpu`` / ``_orthogonalize_cuda`` next to this file); else it
+is compiled with ``torch.utils.cpp_extension.load`` into the cache directory
+(:func:`cache_dir`), which torch reuses while the sources and flags are unchanged.
+A failure is remembered: the next call raises the same error at once instead of
+compiling again.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Dict, Optional
+
+import torch
+
+KINDS = ("cpu", "cuda")
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = {
+    "cpu": ["bindings.cpp", "orthogonalize_cpu.cpp"],
+    "cuda": ["bindings.cpp", "orthogonalize_cpu.cpp", "orthogonalize_cuda.cpp", "orthogonalize_kernel.cu"],
+}
+HEADERS = ["householder.h", "orthogonalize.h", "orthogonalize_kernel.h"]
+MODULE_NAMES = {"cpu": "bagua_orthogonalize_cpu", "cuda": "bagua_orthogonalize_cuda"}
+PREBUILT = {"cpu": "cuda_ext._orthogonalize_cpu", "cuda": "cuda_ext._orthogonalize_cuda"}
+CACHE_ENV = "BAGUA_CUDA_EXT_CACHE"
+VERBOSE_ENV = "BAGUA_CUDA_EXT_VERBOSE"
+CXX_FLAGS = ["-O3"]  # torch chooses the C++ standard (C++20 for torch 2.15)
+NVCC_FLAGS = ["-O3"]
+
+
+class ExtensionUnavailable(RuntimeError):
+    """The extension could not be built or loaded (no compiler, no CUDA toolkit, ...)."""
+
+
+_lock = threading.Lock()
+_modules: Dict[str, ModuleType] = {}
+_failures: Dict[str, ExtensionUnavailable] = {}
+
+
+def cache_dir() -> Path:
+    """Where JIT builds go: ``$BAGUA_CUDA_EXT_CACHE``, else
+    ``$XDG_CACHE_HOME/bagua_algos/cuda_ext`` (``~/.cache/...`` by default), with one
+    subdirectory per torch build and Python version (a module is only valid for those)."""
+    root = os.environ.get(CACHE_ENV)
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(xdg, "bagua_algos", "cuda_ext")
+    tag = f"torch{torch.__version__}-cuda{torch.version.cuda or 'none'}-py{sys.version_info[0]}{sys.version_info[1]}"
+    return Path(root) / tag.replace("+", "_")
+
+
+def kind_for(device) -> str:
+    """The module kind that serves tensors on ``device``."""
+    device_type = torch.device(device).type
+    if device_type not in KINDS:
+        raise ExtensionUnavailable(f"cuda_ext has no path for device type {device_type!r} (valid: {list(KINDS)})")
+    return device_type
+
+
+def loaded(kind: Optional[str] = None) -> bool:
+    """Whether a module of ``kind`` (any kind when None) is loaded in this process."""
+    with _lock:
+        if kind is None:
+            return bool(_modules)
+        return kind in _modules or (kind == "cpu" and "cuda" in _modules)
+
+
+def load(kind: str) -> ModuleType:
+    """The module of ``kind``, building it on first use; raises ExtensionUnavailable."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
+    with _lock:
+        if kind in _modules:
+            return _modules[kind]
+        if kind == "cpu" and "cuda" in _modules:  # the CUDA build serves CPU tensors too
+            return _modules["cuda"]
+        if kind in _failures:
+            raise _failures[kind]
+        try:
+            module = _import_prebuilt(kind) or _build(kind)
+        except Exception as error:  # noqa: BLE001 — whatever failed, the extension is unavailable
+            failure = ExtensionUnavailable(f"building the {kind} extension failed: {_first_line(error)}")
+            failure.__cause__ = error
+            _failures[kind] = failure
+            raise failure from error
+        _modules[kind] = module
+        return module
+
+
+def forget_failures() -> None:
+    """Let the next ``load`` try again (after installing a compiler, in tests)."""
+    with _lock:
+        _failures.clear()
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+
+
+def _import_prebuilt(kind: str) -> Optional[ModuleType]:
+    try:
+        return importlib.import_module(PREBUILT[kind])
+    except ImportError:
+        return None
+
+
+def _build(kind: str) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    if kind == "cuda":
+        if cpp_extension.CUDA_HOME is None:
+            raise ExtensionUnavailable("no CUDA toolkit found (set CUDA_HOME to the toolkit's root)")
+        if torch.version.cuda is None:
+            raise ExtensionUnavailable("this torch build has no CUDA support")
+    build_dir = cache_dir() / MODULE_NAMES[kind]
+    build_dir.mkdir(parents=True, exist_ok=True)
+    extra = {}
+    if kind == "cuda":
+        extra["extra_cuda_cflags"] = NVCC_FLAGS
+    return cpp_extension.load(
+        name=MODULE_NAMES[kind],
+        sources=[str(CSRC / s) for s in SOURCES[kind]],
+        extra_cflags=CXX_FLAGS + (["-DBAGUA_WITH_CUDA"] if kind == "cuda" else []),
+        extra_include_paths=[str(CSRC)],
+        build_directory=str(build_dir),
+        with_cuda=(kind == "cuda"),
+        verbose=bool(os.environ.get(VERBOSE_ENV)),
+        **extra,
+    )

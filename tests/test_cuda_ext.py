@@ -1,0 +1,375 @@
+"""cuda_ext: the compiled batched Householder orthogonalization (C++ CPU path here,
+the CUDA path where a GPU is present), its compile-only CUDA check, and the fallback
+of ``orthogonalization="householder"`` when the extension cannot be built.
+
+The CPU extension is built once per session into the usual cache directory (15–30 s
+the first time, then reused); tests that need it skip, with the reason, when there is
+no C++ compiler."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import warnings
+
+import pytest
+import torch
+
+import cuda_ext
+from cuda_ext import _loader
+from subprocesses import child_env, run_python
+
+HAS_CXX = shutil.which(os.environ.get("CXX", "c++")) is not None
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _nvcc():
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    candidates = [os.path.join(CUDA_HOME, "bin", "nvcc")] if CUDA_HOME else []
+    candidates.append(shutil.which("nvcc"))
+    return next((c for c in candidates if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)
+
+
+@pytest.fixture(scope="module")
+def cpu_ext():
+    if not HAS_CXX:
+        pytest.skip(f"no C++ compiler ({os.environ.get('CXX', 'c++')} not found): the CPU extension cannot be built")
+    return cuda_ext.load_orthogonalize("cpu")
+
+
+@pytest.fixture(scope="module")
+def cuda_ext_fn():
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA device")
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None:
+        pytest.skip("a CUDA device but no CUDA toolkit (set CUDA_HOME): the CUDA extension cannot be built")
+    return cuda_ext.load_orthogonalize("cuda")
+
+
+def _orthonormality_error(q: torch.Tensor) -> float:
+    q = q.double()
+    return (q.T @ q - torch.eye(q.shape[1], dtype=torch.float64, device=q.device)).abs().max().item()
+
+
+def _span_residual(a: torch.Tensor, q: torch.Tensor) -> float:
+    """|A − Q QᵀA| / |A|: how much of A lies outside span(Q)."""
+    a, q = a.double(), q.double()
+    return ((a - q @ (q.T @ a)).norm() / a.norm().clamp_min(1e-300)).item()
+
+
+def _random(m, r, seed, dtype=torch.float32, scale=1.0):
+    return (torch.randn(m, r, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale).to(dtype)
+
+
+SHAPES = [(1, 1), (2, 1), (5, 5), (16, 2), (64, 4), (256, 8), (300, 7), (512, 1), (33, 32), (128, 64), (1000, 3)]
+
+
+# --- CPU path ------------------------------------------------------------------------
+def test_matches_torch_qr_on_full_rank_matrices(cpu_ext):
+    inputs = [_random(m, r, seed) for seed, (m, r) in enumerate(SHAPES)]
+    outputs = cpu_ext(inputs, epsilon=1e-8)
+    for a, q in zip(inputs, outputs):
+        assert q.shape == a.shape and q.dtype == a.dtype and q.is_contiguous()
+        assert _orthonormality_error(q) <= 1e-5, a.shape
+        assert _span_residual(a, q) <= 1e-5, a.shape
+        # LAPACK's sign convention: the same Q as torch.linalg.qr, not just the same span.
+        reference = torch.linalg.qr(a.double()).Q
+        assert (q.double() - reference).abs().max().item() <= 1e-4, a.shape
+
+
+def test_float64_is_accurate_to_double_rounding(cpu_ext):
+    a = _random(200, 6, 1, torch.float64)
+    (q,) = cpu_ext([a], epsilon=1e-12)
+    assert q.dtype == torch.float64
+    assert _orthonormality_error(q) <= 1e-13
+    assert (q - torch.linalg.qr(a).Q).abs().max().item() <= 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_accumulates_in_float32(cpu_ext, dtype):
+    a = _random(256, 8, 2, dtype)
+    (q,) = cpu_ext([a])
+    assert q.dtype == dtype
+    # The result is exact to fp32 rounding, then rounded once to the output dtype.
+    reference = torch.linalg.qr(a.double()).Q
+    assert (q.double() - reference).abs().max().item() <= torch.finfo(dtype).eps
+    assert _orthonormality_error(q) <= {torch.float16: 2e-2, torch.bfloat16: 5e-2}[dtype]
+
+
+def test_zero_matrix_gives_the_first_unit_columns(cpu_ext):
+    for m, r in [(7, 3), (4, 4), (1, 1)]:
+        (q,) = cpu_ext([torch.zeros(m, r)])
+        assert torch.equal(q, torch.eye(m, r))
+
+
+def test_zero_and_dependent_columns_give_unit_columns_orthogonal_to_the_rest(cpu_ext):
+    zero_column = _random(40, 4, 3)
+    zero_column[:, 1] = 0
+    dependent = _random(40, 4, 4)
+    dependent[:, 2] = 2 * dependent[:, 0] - dependent[:, 1]  # rank 3
+    rank_one = _random(40, 1, 5).repeat(1, 5)
+    first_zero = _random(40, 3, 6)
+    first_zero[:, 0] = 0
+    for a in (zero_column, dependent, rank_one, first_zero):
+        (q,) = cpu_ext([a])
+        assert torch.isfinite(q).all()
+        assert _orthonormality_error(q) <= 1e-5
+        assert _span_residual(a, q) <= 1e-5
+
+
+def test_epsilon_is_relative_to_the_largest_entry(cpu_ext):
+    a = _random(30, 2, 7)
+    a[:, 1] = a[:, 0] + 1e-6 * _random(30, 1, 8)[:, 0]  # second column nearly dependent
+    (kept,) = cpu_ext([a], epsilon=1e-9)
+    (skipped,) = cpu_ext([a], epsilon=1e-3)
+    # Kept: the second column of Q follows the tiny difference; skipped: H_1 = I, so
+    # Q's second column is H_0 e_1, still a unit vector orthogonal to the first.
+    assert _span_residual(a, kept) <= 1e-4
+    assert _orthonormality_error(skipped) <= 1e-6
+    assert torch.allclose(kept[:, 0], skipped[:, 0])
+    # q_0 = H_0 e_0 = e_0 − 2 v v_0 gives v = (e_0 − q_0)/|e_0 − q_0|, and H_0 e_1 = e_1 − 2 v v_1.
+    eye = torch.eye(30, 2, dtype=torch.float64)
+    v = eye[:, 0] - skipped[:, 0].double()
+    v = v / v.norm()
+    assert (skipped[:, 1].double() - (eye[:, 1] - 2 * v * v[1])).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e-12, 1e12, 1e30])
+def test_tiny_and_huge_scales(cpu_ext, scale):
+    base = _random(100, 4, 9, torch.float64)
+    (q_base,) = cpu_ext([base.float()])
+    (q,) = cpu_ext([(base * scale).float()])
+    assert torch.isfinite(q).all()
+    assert _orthonormality_error(q) <= 1e-5
+    assert (q - q_base).abs().max().item() <= 1e-5
+
+
+def test_power_of_two_scaling_gives_the_same_bits(cpu_ext):
+    a = _random(64, 5, 10)
+    (q,) = cpu_ext([a])
+    (q_scaled,) = cpu_ext([a * 2.0**-100])
+    assert torch.equal(q, q_scaled)
+
+
+def test_non_contiguous_and_mixed_shapes_in_one_call(cpu_ext):
+    wide = _random(60, 24, 11)
+    inputs = [
+        wide[:, ::3],  # strided columns
+        _random(8, 30, 12).T,  # transposed (column-major)
+        wide[5:45, 2:6],  # a window with a storage offset
+        _random(50, 1, 13).expand(50, 1),
+        _random(9, 9, 14, torch.float64),
+        torch.zeros(6, 0),
+        torch.zeros(0, 0),
+        _random(20, 2, 15, torch.float16),
+    ]
+    assert not inputs[0].is_contiguous() and not inputs[1].is_contiguous()
+    outputs = cpu_ext(inputs)
+    assert len(outputs) == len(inputs)
+    for a, q in zip(inputs, outputs):
+        assert q.shape == a.shape and q.dtype == a.dtype
+        if a.numel():
+            (alone,) = cpu_ext([a.contiguous()])
+            assert torch.equal(q, alone)  # strides change nothing
+            tolerance = 2e-2 if a.dtype == torch.float16 else 1e-5
+            assert _orthonormality_error(q) <= tolerance
+            assert _span_residual(a, q) <= tolerance
+
+
+def test_inputs_are_not_modified(cpu_ext):
+    a = _random(20, 3, 16)
+    before = a.clone()
+    cpu_ext([a])
+    assert torch.equal(a, before)
+
+
+def test_repeated_calls_are_bitwise_equal(cpu_ext):
+    inputs = [_random(m, r, seed) for seed, (m, r) in enumerate(SHAPES)]
+    first = cpu_ext(inputs)
+    second = cpu_ext(list(reversed(inputs)))[::-1]
+    assert all(torch.equal(x, y) for x, y in zip(first, second))
+
+
+def test_empty_list(cpu_ext):
+    assert cpu_ext([]) == []
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: cuda_ext.orthogonalize([torch.randn(2, 3)]), r"matrices\[0\] must have no more columns than rows"),
+        (lambda: cuda_ext.orthogonalize([torch.randn(3, 2), torch.randn(3)]), r"matrices\[1\] must be a 2-D tensor"),
+        (lambda: cuda_ext.orthogonalize([torch.ones(3, 2, dtype=torch.int64)]), r"matrices\[0\] must be float32"),
+        (lambda: cuda_ext.orthogonalize(torch.randn(3, 2)), "matrices must be a list of 2-D tensors"),
+        (lambda: cuda_ext.orthogonalize([torch.randn(3, 2)], epsilon=float("nan")), "epsilon must be a finite number"),
+        (lambda: cuda_ext.orthogonalize([torch.randn(3, 2)], epsilon=-1), "epsilon must be a finite number"),
+        (lambda: cuda_ext.load_orthogonalize("meta"), "no path for device type 'meta'"),
+    ],
+)
+def test_bad_input_is_named(call, match):
+    with pytest.raises((ValueError, cuda_ext.ExtensionUnavailable), match=match):
+        call()
+
+
+def test_compiled_module_checks_its_inputs_too(cpu_ext):
+    module = _loader.load("cpu")
+    with pytest.raises(ValueError, match=r"matrices\[1\] must have no more columns than rows"):
+        module.orthogonalize([torch.randn(3, 2), torch.randn(2, 3)], 1e-8)
+    with pytest.raises(ValueError, match="epsilon must be a finite number"):
+        module.orthogonalize([torch.randn(3, 2)], -1.0)
+
+
+def test_orthogonalization_householder_uses_the_extension(cpu_ext):
+    from bagua_algos.compression.orthogonalization import orthogonalize
+
+    inputs = [_random(64, 4, 17), _random(128, 2, 18), _random(64, 4, 19)]
+    via_module = orthogonalize(inputs, "householder")
+    direct = cpu_ext(inputs)
+    assert all(torch.equal(x, y) for x, y in zip(via_module, direct))
+    assert cuda_ext.is_loaded("cpu") and cuda_ext.is_available("cpu")
+    assert orthogonalize(inputs, "auto")[0].shape == (64, 4)
+
+
+# --- the fallback when the extension cannot be built -----------------------------------
+def test_build_failure_falls_back_with_one_warning(monkeypatch):
+    from bagua_algos.compression import orthogonalization
+
+    def failing_build(kind):
+        raise OSError("simulated: no compiler")
+
+    monkeypatch.setattr(_loader, "_modules", {})
+    monkeypatch.setattr(_loader, "_failures", {})
+    monkeypatch.setattr(_loader, "_import_prebuilt", lambda kind: None)
+    monkeypatch.setattr(_loader, "_build", failing_build)
+    monkeypatch.setattr(orthogonalization, "_extension_failure_warned", False)
+    assert not cuda_ext.is_loaded("cpu") and not cuda_ext.is_available("cpu")
+    with pytest.raises(cuda_ext.ExtensionUnavailable, match="simulated: no compiler"):
+        cuda_ext.load_orthogonalize("cpu")
+    inputs = [_random(32, 3, 20), _random(16, 2, 21)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = orthogonalization.orthogonalize(inputs, "householder")
+        second = orthogonalization.orthogonalize_batch(torch.stack([inputs[0]] * 2), "householder")
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "cuda_ext extension is not available" in messages[0]
+    for a, q in zip(inputs, first):
+        assert torch.allclose(q, torch.linalg.qr(a).Q)
+    assert torch.allclose(second[1], torch.linalg.qr(inputs[0]).Q)
+    # "auto" does not try to build: while nothing is loaded, batched torch QR on CPU for
+    # r ≥ 2, Gram–Schmidt for r = 1 (and on GPUs).
+    cpu = {torch.device("cpu")}
+    assert orthogonalization._resolve("auto", cpu, 1) == "gram_schmidt"
+    assert orthogonalization._resolve("auto", cpu, 4) == "torch_qr"
+    assert orthogonalization._resolve("auto", {torch.device("cuda", 0)}, 4) == "gram_schmidt"
+    assert not _loader._modules
+
+
+def test_missing_compiler_in_a_fresh_process_warns_and_trains_on(tmp_path):
+    """A real failed build: CXX points at nothing, the cache directory is empty."""
+    env = child_env()
+    env.update(CXX=str(tmp_path / "no-such-compiler"), BAGUA_CUDA_EXT_CACHE=str(tmp_path / "cache"))
+    script = (
+        "import warnings, torch, cuda_ext\n"
+        "from bagua_algos.compression.orthogonalization import orthogonalize\n"
+        "assert not cuda_ext.is_available('cpu')\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    for _ in range(3):\n"
+        "        q, = orthogonalize([torch.randn(20, 3)], 'householder')\n"
+        "n = sum('not available' in str(w.message) for w in caught)\n"
+        "assert n == 1, n\n"
+        "assert torch.allclose(q.T @ q, torch.eye(3), atol=1e-5)\n"
+        "print('fallback ok')\n"
+    )
+    code, out, err = run_python(["-c", script], env=env, timeout=120)
+    assert code == 0 and "fallback ok" in out, err[-3000:]
+
+
+# --- CUDA sources compile (CI: a CUDA syntax error fails here) -------------------------
+def test_cuda_kernel_compiles_with_nvcc(tmp_path):
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    from torch.utils.cpp_extension import include_paths
+
+    source = os.path.join(os.path.dirname(_loader.__file__), "csrc", "orthogonalize_kernel.cu")
+    command = [nvcc, "-c", source, "-o", str(tmp_path / "kernel.o"), "-std=c++20", "-O1",
+               "-gencode", "arch=compute_80,code=sm_80", "-Werror", "all-warnings",
+               "-I" + os.path.dirname(source), *("-I" + p for p in include_paths())]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout}\n{done.stderr}"
+
+
+# --- CUDA path (GPU machines only) -------------------------------------------------------
+def test_cuda_matches_cpu_and_torch_qr(cuda_ext_fn, cpu_ext):
+    inputs = [_random(m, r, seed) for seed, (m, r) in enumerate(SHAPES)]
+    inputs += [_random(4096, 128, 99), _random(2048, 64, 98)]  # global-memory work path
+    gpu = cuda_ext_fn([a.cuda() for a in inputs])
+    cpu = cpu_ext(inputs)
+    for a, q, q_cpu in zip(inputs, gpu, cpu):
+        assert q.device.type == "cuda" and q.shape == a.shape and q.dtype == a.dtype
+        q = q.cpu()
+        assert _orthonormality_error(q) <= 1e-5, a.shape
+        assert _span_residual(a, q) <= 1e-5, a.shape
+        assert (q - q_cpu).abs().max().item() <= 1e-4, a.shape
+
+
+def test_cuda_edge_cases_dtypes_and_strides(cuda_ext_fn):
+    wide = _random(60, 24, 11).cuda()
+    zero_column = _random(40, 4, 3)
+    zero_column[:, 1] = 0
+    inputs = [
+        torch.zeros(7, 3, device="cuda"),
+        zero_column.cuda(),
+        _random(40, 1, 5).repeat(1, 5).cuda(),
+        wide[:, ::3],
+        _random(8, 30, 12).cuda().T,
+        (_random(100, 4, 9) * 1e-30).cuda(),
+        _random(9, 9, 14, torch.float64).cuda(),
+        _random(256, 8, 2, torch.float16).cuda(),
+        _random(256, 8, 2, torch.bfloat16).cuda(),
+        torch.zeros(6, 0, device="cuda"),
+    ]
+    outputs = cuda_ext_fn(inputs)
+    assert torch.equal(outputs[0].cpu(), torch.eye(7, 3))
+    for a, q in zip(inputs, outputs):
+        assert q.shape == a.shape and q.dtype == a.dtype and q.device == a.device
+        if a.numel():
+            assert torch.isfinite(q).all()
+            tolerance = 5e-2 if a.dtype in (torch.float16, torch.bfloat16) else 1e-5
+            assert _orthonormality_error(q) <= tolerance
+            assert _span_residual(a, q) <= tolerance
+
+
+def test_cuda_one_launch_and_bitwise_repeatable(cuda_ext_fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs = [_random(m, r, seed).cuda() for seed, (m, r) in enumerate(SHAPES)]
+    cuda_ext_fn(inputs)  # warm-up: workspace allocated
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        first = cuda_ext_fn(inputs)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if "orthogonalize_kernel" in e.name]
+    assert len(kernels) == 1, [e.name for e in prof.events()]
+    second = cuda_ext_fn(inputs)
+    assert all(torch.equal(x, y) for x, y in zip(first, second))
+
+
+def test_cuda_runs_on_the_current_stream(cuda_ext_fn):
+    a = _random(512, 8, 30).cuda()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        (q,) = cuda_ext_fn([a])
+    stream.synchronize()
+    assert _orthonormality_error(q) <= 1e-5
+
+
+@pytest.mark.skip(reason="needs the PowerSGD algorithm (another branch): the lead adds "
+                  "'householder trains identically (1e-5) to torch_qr' after merging")
+def test_powersgd_householder_trains_like_torch_qr():
+    pass

@@ -115,3 +115,17 @@ def test_leaving_mid_op_finishes_the_op_and_exits_with_the_scripts_code():
         assert code == expected, f"{mode}: exit code {code}\n{err[-2000:]}"
         assert "op of bucket" in out and "done" in out, f"{mode}: the op did not finish\n{out}"
     print(runs)
+
+
+def test_async_algorithm_exits_without_abort():
+    """A script that never calls abort() under the async algorithm ends: the exit hook
+    stops the background rounds on every worker (the stop flag travels in a round)."""
+    from subprocesses import free_port
+
+    worker = REPO / "tests" / "launch_workers" / "async_no_abort.py"
+    for steps in ("5", "40"):  # workers reach their exit at different times in both cases
+        code, out, err = run_python(["-m", "bagua_algos.launch", "--nproc_per_node", "2", "--master_port",
+                                     str(free_port()), worker, steps], timeout=90)
+        assert code == 0, f"stdout:\n{out}\nstderr:\n{err[-3000:]}"
+        assert "terminate called" not in err
+        assert out.count("exiting without abort()") == 2

@@ -27,7 +27,9 @@ Example::
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
+import warnings
 
 from ..runtime import comm
 from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
@@ -46,6 +48,7 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
         self.step_id = 0  # need_reset() calls, i.e. training forwards
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="bagua-async")
         self._future = None
+        self._exit_hook_registered = False
         self.rounds = 0
         # The background thread's collectives go through a group of their own.
         self.thread_group = comm.new_group(comm.group_ranks(process_group))
@@ -142,6 +145,28 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
         for op in self._ops(bagua_ddp):
             op.reset()
         self._future = self._executor.submit(self._loop, bagua_ddp)
+        if not self._exit_hook_registered:
+            # The executor's own exit hook joins its thread, which loops until aborted:
+            # a script that never calls abort() would hang at exit. Ours is registered
+            # later, so it runs first (they run in reverse order) and ends the loop.
+            threading._register_atexit(lambda: self._stop_at_exit(bagua_ddp))
+            self._exit_hook_registered = True
+
+    def _stop_at_exit(self, bagua_ddp, timeout_s: float = 60.0) -> None:
+        """At interpreter exit without abort(): ask every worker to stop after the next
+        round (the stop flag travels in that round's allreduce) and wait for it. No
+        final synchronous average: the other workers may still be training."""
+        future = self._future
+        if future is None or future.done():
+            return
+        self._unlock(bagua_ddp)
+        for op in self._ops(bagua_ddp):
+            op.abort()
+        try:
+            future.result(timeout=timeout_s)
+        except BaseException as error:  # noqa: BLE001 — at exit, report and let the process end
+            warnings.warn(f"AsyncModelAverageAlgorithm: the background averaging did not stop cleanly at exit ({error!r}); "
+                          "call model.bagua_algorithm.abort(model) on every worker before exiting", RuntimeWarning)
 
     def _loop(self, bagua_ddp) -> None:
         ops = self._ops(bagua_ddp)

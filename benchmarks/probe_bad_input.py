@@ -564,6 +564,31 @@ def _(rank, n):
     model.with_bagua([opt], TernGradAlgorithm())
     _step(model, opt, rank)
 
+# NaN on one rank only: the rank that cannot encode tells the others through the
+# collective itself (a marked header), so every rank raises at once instead of the
+# others waiting for the process group's timeout.
+def _one_rank_nan_steps(algorithm_factory, steps=2):
+    def fn(rank, n):
+        model = _model()
+        _poison_rank_one(model, rank, float("nan"))
+        opt = _sgd(model)
+        model.with_bagua([opt], algorithm_factory())
+        for step in range(steps):
+            _step(model, opt, rank, step)
+        return _finite_report(model, rank)
+
+    return fn
+
+
+for _name, _factory in (
+    ("terngrad", TernGradAlgorithm),
+    ("bytegrad", lambda: ByteGradAlgorithm(hierarchical=False)),
+    ("low_precision_decentralized", lambda: LowPrecisionDecentralizedAlgorithm(hierarchical=False)),
+):
+    add(f"nan_grad_one_rank_{_name}", f"{_NAN_NOTE} under {_name}: every rank raises, none waits for the timeout",
+        CommOpError, "of rank(s) [1] has NaN/inf values", _one_rank_nan_steps(_factory), distributed=True)
+
+
 # --- powersgd ---
 
 
@@ -599,6 +624,14 @@ def _(rank, n):
     model, opt = _wrap(PowerSGDAlgorithm(error_in_grad=True, min_compression_rate=1.0))
     for step in range(3):
         _step(model, opt, rank, step)  # _step calls opt.zero_grad() first
+
+@dist_probe("nan_grad_powersgd", f"{_NAN_NOTE} under PowerSGDAlgorithm(rank=2)", None,
+            "values non-finite (NaN) on rank")
+def _(rank, n):
+    from bagua_algos.algorithms import PowerSGDAlgorithm
+
+    return _nan_probe(lambda: PowerSGDAlgorithm(rank=2, min_compression_rate=1.0), float("nan"))(rank, n)
+
 
 
 # ============================================================================ running

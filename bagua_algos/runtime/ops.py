@@ -104,7 +104,7 @@ def _raise_if_marked(encodings: torch.Tensor, group, what: str, peers=None) -> N
     if marked:
         ranks = peers if peers is not None else comm.group_ranks(group)
         raise ValueError(
-            f"{what} of rank(s) {[ranks[i] for i in marked]} has NaN/inf values, which the min-max codec "
+            f"{what} of rank(s) {sorted({ranks[i] for i in marked})} has NaN/inf values, which the min-max codec "
             "cannot encode; every worker of the collective stops here (look for a diverging loss or a "
             "learning rate that is too high)"
         )

@@ -16,7 +16,7 @@ exact average). The result is g ≈ (1/n) Σ_i g_i (``average=True``) or Σ_i g_
 from __future__ import annotations
 
 from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
-from ..runtime.bucket import BaguaBucket
+from ..runtime.bucket import aligned_buckets
 from .gradient_allreduce import check_flag
 
 __all__ = ["ByteGradAlgorithm", "ByteGradAlgorithmImpl"]
@@ -29,11 +29,7 @@ class ByteGradAlgorithmImpl(AlgorithmImpl):
         self.average = average
 
     def tensors_to_buckets(self, tensors, do_flatten):
-        # One chunk per worker: the bucket is padded to a multiple of the world size.
-        return [
-            BaguaBucket(group, flatten=do_flatten, name=str(index), alignment=self.world_size)
-            for index, group in enumerate(tensors)
-        ]
+        return aligned_buckets(tensors, do_flatten, self.world_size)  # one chunk per worker
 
     def init_operations(self, bagua_ddp, bucket):
         bucket.clear_ops()

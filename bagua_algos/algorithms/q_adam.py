@@ -33,7 +33,7 @@ import torch
 from torch.optim.optimizer import Optimizer
 
 from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
-from ..runtime.bucket import BaguaBucket
+from ..runtime.bucket import aligned_buckets
 from .gradient_allreduce import check_flag
 
 __all__ = ["QAdamOptimizer", "QAdamAlgorithm", "QAdamAlgorithmImpl"]
@@ -171,10 +171,7 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
         return tensors
 
     def tensors_to_buckets(self, tensors, do_flatten):
-        return [
-            BaguaBucket(group, flatten=do_flatten, name=str(index), alignment=self.world_size)
-            for index, group in enumerate(tensors)
-        ]
+        return aligned_buckets(tensors, do_flatten, self.world_size)  # one chunk per worker
 
     def init_operations(self, bagua_ddp, bucket):
         bucket.clear_ops()

@@ -34,7 +34,7 @@ import torch
 from ..compression import minmax
 from ..runtime import comm
 from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
-from ..runtime.bucket import BaguaBucket
+from ..runtime.bucket import aligned_buckets
 from ..runtime.ops import compressed_scatter_gather
 from .gradient_allreduce import check_flag
 
@@ -61,10 +61,7 @@ class TernGradAlgorithmImpl(AlgorithmImpl):
         self.generator = None
 
     def tensors_to_buckets(self, tensors, do_flatten):
-        return [
-            BaguaBucket(group, flatten=do_flatten, name=str(index), alignment=self.world_size)
-            for index, group in enumerate(tensors)
-        ]
+        return aligned_buckets(tensors, do_flatten, self.world_size)  # one chunk per worker
 
     def init_operations(self, bagua_ddp, bucket):
         bucket.clear_ops()

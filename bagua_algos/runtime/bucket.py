@@ -39,7 +39,7 @@ import torch
 from . import ops
 from .tensor import BaguaTensor
 
-__all__ = ["BaguaBucket", "split_into_buckets", "DEFAULT_BUCKET_SIZE", "FIRST_BUCKET_SIZE"]
+__all__ = ["BaguaBucket", "split_into_buckets", "aligned_buckets", "DEFAULT_BUCKET_SIZE", "FIRST_BUCKET_SIZE"]
 
 DEFAULT_BUCKET_SIZE = 10 * 1024 * 1024  # bytes, as Bagua's default
 FIRST_BUCKET_SIZE = 1024 * 1024  # a small first bucket starts communication early (as DDP)
@@ -325,3 +325,11 @@ def split_into_buckets(
         cap = min(first_bucket_size, bucket_size) if len(groups) == 1 else bucket_size
         closed = size >= cap
     return groups
+
+
+def aligned_buckets(tensors: List[List[BaguaTensor]], do_flatten: bool, alignment: int) -> List[BaguaBucket]:
+    """One bucket per group of ``tensors``, named by its index, each padded to a multiple
+    of ``alignment`` (the world size, for algorithms that cut a bucket into one chunk per
+    worker: scatter-gather and compression)."""
+    return [BaguaBucket(group, flatten=do_flatten, name=str(index), alignment=alignment)
+            for index, group in enumerate(tensors)]

@@ -3,7 +3,8 @@
 A config is ``ddp`` (torch DDP, the usual baseline) or ``ALGO`` or
 ``ALGO:key=value,key=value`` with the values parsed as int, float, bool, None or str,
 e.g. ``relay:topology=double_binary_tree``. The keys ``do_flatten`` and
-``bucket_size`` go to ``with_bagua``, the others to the algorithm.
+``bucket_size`` go to ``with_bagua``, the others to the algorithm; for ``qadam``
+the keys ``lr`` and ``warmup_steps`` go to its ``QAdamOptimizer``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 
 # keys of a config that are with_bagua's arguments, not the algorithm's
 WITH_BAGUA_KEYS = ("do_flatten", "bucket_size")
+# keys of a ``qadam`` config that go to its QAdamOptimizer, not to QAdamAlgorithm
+QADAM_OPTIMIZER_KEYS = ("lr", "warmup_steps")
 
 
 class ConfigError(ValueError):
@@ -53,11 +56,26 @@ class BenchConfig:
     def is_ddp(self) -> bool:
         return self.name == "ddp"
 
-    def build_algorithm(self):
-        """The bagua_algos Algorithm of this config (ConfigError if it cannot be built)."""
+    @property
+    def is_qadam(self) -> bool:
+        return self.name == "qadam"
+
+    def build_algorithm(self, optimizer=None):
+        """The bagua_algos Algorithm of this config (ConfigError if it cannot be built).
+
+        ``qadam`` is built on its own optimizer: pass the ``QAdamOptimizer`` from
+        :meth:`build_qadam_optimizer` (without one, a throwaway is made to check the
+        arguments)."""
         from bagua_algos import Algorithm
 
         try:
+            if self.is_qadam:
+                algorithm_kwargs = {k: v for k, v in self.kwargs.items() if k not in QADAM_OPTIMIZER_KEYS}
+                if optimizer is None:
+                    import torch
+
+                    optimizer = self.build_qadam_optimizer([torch.nn.Parameter(torch.zeros(1))], lr=0.001)
+                return Algorithm.init(self.name, q_adam_optimizer=optimizer, **algorithm_kwargs)
             return Algorithm.init(self.name, **self.kwargs)
         except ValueError as err:
             if self.name not in _available_algorithms():
@@ -65,6 +83,19 @@ class BenchConfig:
             raise ConfigError(f"config {self.spec!r}: bad arguments for {self.name!r}: {err}") from None
         except TypeError as err:
             raise ConfigError(f"config {self.spec!r}: bad arguments for {self.name!r}: {err}") from None
+
+    def build_qadam_optimizer(self, params, lr: float, default_warmup_steps: int = 2):
+        """The ``QAdamOptimizer`` of a ``qadam`` config: its ``warmup_steps`` and ``lr``
+        keys, else ``default_warmup_steps`` and ``lr``."""
+        from bagua_algos.algorithms import QAdamOptimizer
+
+        options = {k: v for k, v in self.kwargs.items() if k in QADAM_OPTIMIZER_KEYS}
+        options.setdefault("lr", lr)
+        options.setdefault("warmup_steps", default_warmup_steps)
+        try:
+            return QAdamOptimizer(params, **options)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"config {self.spec!r}: bad arguments for 'qadam': {err}") from None
 
     def __repr__(self) -> str:
         return f"BenchConfig({self.spec!r})"

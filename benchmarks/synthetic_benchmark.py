@@ -56,7 +56,7 @@ if str(_REPO) not in sys.path:  # run as a script: make the repository importabl
 from benchmarks.common import BenchConfig, ConfigError, launch_self, parse_configs, without_flag  # noqa: E402
 
 PROG = "synthetic_benchmark"
-MODELS = ("mlp", "cnn", "resnet18", "resnet50", "vgg11")
+MODELS = ("mlp", "cnn", "cifar_resnet18", "resnet18", "resnet50", "vgg11")
 IMAGE_SHAPE = (3, 32, 32)
 COMMAND_ENV = "SYNTHETIC_BENCHMARK_COMMAND"
 
@@ -82,6 +82,10 @@ def build_model(name: str, num_classes: int, mlp_hidden: int, mlp_layers: int):
             nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
             nn.Flatten(), nn.Linear(128 * 4 * 4, 256), nn.ReLU(), nn.Linear(256, num_classes),
         )
+    if name == "cifar_resnet18":  # the PowerSGD paper's ResNet-18 (3x3 stem, no max-pool)
+        from benchmarks.cifar_resnet import CifarResNet18
+
+        return CifarResNet18(num_classes)
     import torchvision.models as tvm
 
     return getattr(tvm, name)(weights=None, num_classes=num_classes)
@@ -198,6 +202,13 @@ def _wrap(config: BenchConfig, args):
 
     torch.manual_seed(args.seed)
     model = build_model(args.model, args.num_classes, args.mlp_hidden, args.mlp_layers)
+    if config.is_qadam:
+        # Adam's step is larger than SGD's at the same rate; warm up inside the untimed
+        # steps so the timed ones send compressed momenta
+        optimizer = config.build_qadam_optimizer(model.parameters(), lr=args.lr * 0.1,
+                                                  default_warmup_steps=max(2, args.warmup))
+        model.with_bagua([optimizer], config.build_algorithm(optimizer), **config.wrap_kwargs)
+        return model, optimizer, lambda: model.bagua_ddp.detach()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     if config.is_ddp:
         ddp = torch.nn.parallel.DistributedDataParallel(model, **config.kwargs)

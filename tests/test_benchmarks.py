@@ -27,14 +27,15 @@ def launcher(nproc, *script_args):
 
 def test_tiny_run_under_the_launcher(tmp_path):
     out_path = tmp_path / "results.json"
-    code, out, err = run(launcher(2, *TINY, "--configs", "ddp;gradient_allreduce", "--out", out_path))
+    code, out, err = run(launcher(2, *TINY, "--configs", "ddp;gradient_allreduce;qadam:hierarchical=false",
+                                  "--out", out_path))
     assert code == 0, f"stdout:\n{out}\nstderr:\n{err}"
     report = json.loads(out_path.read_text())
     assert report["baseline"] == "ddp"
     assert report["host"]["world_size"] == 2
     assert report["settings"]["batch_size"] == 4 and report["settings"]["steps"] == 2
     rows = {row["config"]: row for row in report["results"]}
-    assert list(rows) == ["ddp", "gradient_allreduce"]
+    assert list(rows) == ["ddp", "gradient_allreduce", "qadam:hierarchical=false"]
     for row in rows.values():
         assert row["images_per_s"] > 0 and row["ms_per_step"] > 0
         assert len(row["round_ms_per_step"]) == 1
@@ -48,7 +49,7 @@ def test_tiny_run_under_the_launcher(tmp_path):
     # header and table on rank 0's stdout
     assert "world size 2" in out and "torch " in out and "CPUs" in out
     assert "step-time ratio" in out and "images/s ratio" in out
-    assert out.count("gradient_allreduce |") == 1
+    assert sum(line.startswith("gradient_allreduce ") for line in out.splitlines()) == 1
 
 
 def _assert_unknown_name_message(code, err):
@@ -81,6 +82,35 @@ def test_config_parsing():
     for bad in ("", "ddp;ddp", "gradient_allreduce:average", "gradient_allreduce:nope=1", ":x=1"):
         with pytest.raises(ConfigError):
             parse_configs(bad)
+
+
+def test_qadam_config_builds_its_own_optimizer():
+    import torch
+    from benchmarks.common import ConfigError, parse_configs
+    from bagua_algos.algorithms import QAdamOptimizer
+
+    (qadam,) = parse_configs("qadam:warmup_steps=7,lr=0.5,hierarchical=false")
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    optimizer = qadam.build_qadam_optimizer(params, lr=0.1, default_warmup_steps=2)
+    assert isinstance(optimizer, QAdamOptimizer)
+    assert optimizer.warmup_steps == 7 and optimizer.param_groups[0]["lr"] == 0.5  # the config's keys win
+    algorithm = qadam.build_algorithm(optimizer)
+    assert algorithm.optimizer is optimizer and algorithm.hierarchical is False
+    (default,) = parse_configs("qadam")
+    assert default.build_qadam_optimizer(params, lr=0.1, default_warmup_steps=4).warmup_steps == 4
+    for bad in ("qadam:warmup_steps=1", "qadam:lr=-1", "qadam:hierarchical=maybe"):
+        with pytest.raises(ConfigError, match="qadam"):
+            parse_configs(bad)
+
+
+def test_cifar_resnet18_is_the_papers_model():
+    import torch
+    from benchmarks.synthetic_benchmark import build_model
+
+    model = build_model("cifar_resnet18", 10, 0, 0)
+    assert model.conv1.kernel_size == (3, 3)  # CIFAR stem: no 7x7 convolution, no max-pool
+    assert sum(p.numel() for p in model.parameters()) == 11_173_962
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
 
 
 # ------------------------------------------------------- Bagua's interface (--algorithm)

@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None, help="folder with the CIFAR-10 python batches (for --dataset cifar10)")
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help="';'-separated ALGO[:key=value,...] entries (default: allreduce_average, D-PSGD on a "
-                        "ring and with Bagua's 'all', relay on chain, binary tree, double binary tree, rank-2 powersgd)")
+                        "ring and with Bagua's 'all', relay on chain, binary tree, double binary tree, 2-bit terngrad, "
+                        "flat bytegrad, rank-2 powersgd)")
     p.add_argument("--alphas", type=positive_float_list, default=[1.0, 0.1, 0.01], help="Dirichlet alphas (default 1,0.1,0.01)")
     p.add_argument("--epochs", type=positive_int, default=30, help="epochs per run (default 30)")
     p.add_argument("--batch-size", type=positive_int, default=16, help="batch size per worker (default 16)")

@@ -4,7 +4,8 @@ A config is ``ddp`` (torch DDP, the usual baseline) or ``ALGO`` or
 ``ALGO:key=value,key=value`` with the values parsed as int, float, bool, None or str,
 e.g. ``relay:topology=double_binary_tree``. The keys ``do_flatten`` and
 ``bucket_size`` go to ``with_bagua``, the others to the algorithm; for ``qadam``
-the keys ``lr`` and ``warmup_steps`` go to its ``QAdamOptimizer``.
+the keys ``lr``, ``warmup_steps``, ``eps`` and ``weight_decay`` go to its
+``QAdamOptimizer``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 # keys of a config that are with_bagua's arguments, not the algorithm's
 WITH_BAGUA_KEYS = ("do_flatten", "bucket_size")
 # keys of a ``qadam`` config that go to its QAdamOptimizer, not to QAdamAlgorithm
-QADAM_OPTIMIZER_KEYS = ("lr", "warmup_steps")
+QADAM_OPTIMIZER_KEYS = ("lr", "warmup_steps", "eps", "weight_decay")
 
 
 class ConfigError(ValueError):
@@ -85,8 +86,12 @@ class BenchConfig:
             raise ConfigError(f"config {self.spec!r}: bad arguments for {self.name!r}: {err}") from None
 
     def build_qadam_optimizer(self, params, lr: float, default_warmup_steps: int = 2):
-        """The ``QAdamOptimizer`` of a ``qadam`` config: its ``warmup_steps`` and ``lr``
-        keys, else ``default_warmup_steps`` and ``lr``."""
+        """The ``QAdamOptimizer`` of a ``qadam`` config: its optimizer keys, with
+        ``warmup_steps`` defaulting to ``default_warmup_steps`` and ``lr`` to ``lr``.
+
+        A larger ``eps`` (e.g. 1e-4) keeps a ReLU model on random data finite: a weight
+        whose gradient was exactly 0 through the warm-up has v = 0, and after it the 8-bit
+        codec's rounding error on its momentum is divided by eps alone."""
         from bagua_algos.algorithms import QAdamOptimizer
 
         options = {k: v for k, v in self.kwargs.items() if k in QADAM_OPTIMIZER_KEYS}

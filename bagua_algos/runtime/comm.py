@@ -1339,7 +1339,13 @@ def start_neighbor_exchange(
     are matched in posting order). Returns a handle; ``wait()`` blocks until all are
     done. A pair with this process's own rank is a local copy. On NCCL the step is
     one ``batch_isend_irecv``; on gloo each send and receive is posted on its own
-    (``isend`` / ``irecv``, sends first, in order).
+    (``irecv`` / ``isend``, receives first, each kind in order).
+
+    Why receives first on gloo: measured over bandwidth-limited links, a worker that
+    sends to two neighbours and receives from both finished in 1.7× the time when its
+    sends were posted first
+    (21 MB per message over emulated 100 Mbit/s and 1 Gbit/s links, 4 workers on a
+    chain: 6.3 s against 4.0 s, 654 ms against 373 ms; docs/benchmarks.md).
     """
     _require_init("start_neighbor_exchange()")
     c = _as_communicator(group)
@@ -1368,8 +1374,8 @@ def start_neighbor_exchange(
         ops = [dist.P2POp(dist.isend, t, peer, g) for peer, t in send_items]
         ops += [dist.P2POp(dist.irecv, t, peer, g) for peer, t in recv_items]
         return CommHandle(dist.batch_isend_irecv(ops))
-    works = [dist.isend(t, dst=peer, group=g) for peer, t in send_items]
-    works += [dist.irecv(t, src=peer, group=g) for peer, t in recv_items]
+    works = [dist.irecv(t, src=peer, group=g) for peer, t in recv_items]
+    works += [dist.isend(t, dst=peer, group=g) for peer, t in send_items]
     return CommHandle(works)
 
 

@@ -208,13 +208,22 @@ def _wrap(config: BenchConfig, args):
         optimizer = config.build_qadam_optimizer(model.parameters(), lr=args.lr * 0.1,
                                                   default_warmup_steps=max(2, args.warmup))
         model.with_bagua([optimizer], config.build_algorithm(optimizer), **config.wrap_kwargs)
-        return model, optimizer, lambda: model.bagua_ddp.detach()
+        return model, optimizer, lambda: _finish(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     if config.is_ddp:
         ddp = torch.nn.parallel.DistributedDataParallel(model, **config.kwargs)
         return ddp, optimizer, lambda: None
     model.with_bagua([optimizer], config.build_algorithm(), **config.wrap_kwargs)
-    return model, optimizer, lambda: model.bagua_ddp.detach()
+    return model, optimizer, lambda: _finish(model)
+
+
+def _finish(model) -> None:
+    """Unhook ``model``; an algorithm that averages in the background (``async``) is
+    stopped first, or its rounds would go on competing with the next config's steps."""
+    abort = getattr(model.bagua_algorithm, "abort", None)
+    if abort is not None:
+        abort(model)
+    model.bagua_ddp.detach()
 
 
 def time_config(config: BenchConfig, args, data, target, world_size: int) -> dict:

@@ -37,6 +37,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -123,15 +124,26 @@ class EmulatedNetwork:
         reason = check_support()
         if reason:
             raise NetemError(reason)
+        # SIGTERM (a timeout, `kill`, a scheduler) takes the same clean-up path as
+        # Ctrl-C; without it the interpreter dies at once, leaving the namespaces and
+        # the workers (in sessions of their own) behind. Signals go to the main thread.
+        self._previous_sigterm = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.signal(signal.SIGTERM, _raise_on_signal)
         try:
             self._build()
         except BaseException:
-            self.close()
+            self.__exit__()
             raise
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        try:
+            self.close()
+        finally:
+            if self._previous_sigterm is not None:
+                signal.signal(signal.SIGTERM, self._previous_sigterm)
+                self._previous_sigterm = None
 
     def _ip(self, *args: str, namespace: Optional[str] = None) -> None:
         command = ["ip"] + (["-n", namespace] if namespace else []) + list(args)

@@ -9,7 +9,11 @@ four-worker run on loopback ends: both average exactly whatever the node layout.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,3 +112,42 @@ def test_links_are_limited_and_everything_is_removed_on_failure():
             assert seconds > 1.0, seconds
             raise RuntimeError("boom")
     assert set(_existing_namespaces()) == before
+
+
+@needs_netns
+def test_sigterm_to_a_library_user_removes_namespaces_and_workers(tmp_path):
+    """A script that uses EmulatedNetwork as a library (as network_sweep.py does), killed
+    with SIGTERM while its job runs: its namespaces and its workers are gone after it.
+    Before, only netem.py's own command line turned SIGTERM into the clean-up path."""
+    tag = f"bt{free_port() % 10000}"
+    marker = tmp_path / "started"
+    script = tmp_path / "user.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from benchmarks.netem import EmulatedNetwork\n"
+        f"with EmulatedNetwork(nodes=2, rate='1gbit', tag={tag!r}) as net:\n"
+        "    worker = net.popen(1, ['sleep', '300'])\n"
+        f"    open({str(marker)!r}, 'w').write(str(worker.pid))\n"
+        "    worker.wait()\n"
+    )
+    log = open(tmp_path / "user.log", "w")
+    user = subprocess.Popen([sys.executable, str(script)], stdout=log, stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))  # as from a shell
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() or not marker.read_text():
+            assert user.poll() is None, (tmp_path / "user.log").read_text()
+            assert time.monotonic() < deadline, "the script did not start its worker"
+            time.sleep(0.1)
+        worker_pid = int(marker.read_text())
+        assert f"{tag}-n0" in _existing_namespaces()
+        user.send_signal(signal.SIGTERM)
+        user.wait(timeout=60)
+    finally:
+        if user.poll() is None:
+            user.kill()
+        log.close()
+    assert not [ns for ns in _existing_namespaces() if ns.startswith(tag + "-")], "namespaces left behind"
+    with pytest.raises(ProcessLookupError):  # the worker's session was killed too
+        os.kill(worker_pid, 0)

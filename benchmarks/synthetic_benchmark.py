@@ -203,10 +203,13 @@ def _wrap(config: BenchConfig, args):
     torch.manual_seed(args.seed)
     model = build_model(args.model, args.num_classes, args.mlp_hidden, args.mlp_layers)
     if config.is_qadam:
-        # Adam's step is larger than SGD's at the same rate; warm up inside the untimed
-        # steps so the timed ones send compressed momenta
+        # Adam's step is larger than SGD's at the same rate. The switch to compression
+        # rebuilds the buckets, and as in Bagua that re-broadcasts the parameters and
+        # Adam's two state tensors (3x the model from one rank): by default it falls
+        # in the untimed steps (forward of step --warmup), so the timed steps measure
+        # the compressed phase only.
         optimizer = config.build_qadam_optimizer(model.parameters(), lr=args.lr * 0.1,
-                                                  default_warmup_steps=max(2, args.warmup))
+                                                  default_warmup_steps=max(2, args.warmup - 1))
         model.with_bagua([optimizer], config.build_algorithm(optimizer), **config.wrap_kwargs)
         return model, optimizer, lambda: _finish(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)

@@ -1342,8 +1342,8 @@ def start_neighbor_exchange(
     (``irecv`` / ``isend``, receives first, each kind in order).
 
     Why receives first on gloo: measured over bandwidth-limited links, a worker that
-    sends to two neighbours and receives from both finished in 1.7× the time when its
-    sends were posted first
+    sends to two neighbours and receives from both finished in 1.6–1.75× the time when
+    its sends were posted first
     (21 MB per message over emulated 100 Mbit/s and 1 Gbit/s links, 4 workers on a
     chain: 6.3 s against 4.0 s, 654 ms against 373 ms; docs/benchmarks.md).
     """

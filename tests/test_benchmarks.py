@@ -139,3 +139,12 @@ def test_bagua_interface_prints_bagua_lines_and_bytes():
 def test_bagua_interface_bad_flags(argv, match):
     code, out, err = run([SCRIPT, *argv], timeout=60)
     assert code == 2 and match in err, err
+
+
+def test_exchange_order_benchmark_runs_tiny():
+    script = REPO / "benchmarks" / "exchange_order_benchmark.py"
+    code, out, err = run(["-m", "torch.distributed.run", "--nproc_per_node", 3, "--master_port", free_port(),
+                          script, "--megabytes", "0.01", "--repeats", 1])
+    assert code == 0, err[-3000:]
+    for pattern in ("ring allreduce", "isend to both, then irecv", "irecv from both, then isend", "batch_isend_irecv"):
+        assert pattern in out, out

@@ -301,12 +301,36 @@ def summarize(configs, per_round: dict, cpu_per_round: dict, args, world_size: i
     return rows
 
 
+# Besides the baseline, the seed's Table 5.1 compares every algorithm with these two.
+REFERENCE_CONFIGS = {"allreduce_average": "AA", "gradient_allreduce": "GA"}
+
+
+def add_reference_ratios(rows: list[dict]) -> None:
+    """``images_per_s_vs_NAME`` and ``bytes_vs_NAME`` on every row, for each reference
+    config (exactly ``allreduce_average`` / ``gradient_allreduce``) that was timed."""
+    for name in REFERENCE_CONFIGS:
+        reference = next((row for row in rows if row["config"] == name), None)
+        if reference is None:
+            continue
+        for row in rows:
+            row[f"images_per_s_vs_{name}"] = row["images_per_s"] / reference["images_per_s"]
+            sent, ref_sent = row.get("bytes_per_step"), reference.get("bytes_per_step")
+            row[f"bytes_vs_{name}"] = sent / ref_sent if sent is not None and ref_sent else None
+
+
 def format_table(rows: list[dict], baseline: str) -> str:
     headers = ["config", "images/s", "ms/step", "ms/step min-max",
                "step-time ratio", "images/s ratio", "paired step-time ratio",
                "CPU ms/step", "CPU-time ratio", "bytes sent/step", "bytes ratio"]
+    references = [name for name in REFERENCE_CONFIGS if rows and f"images_per_s_vs_{name}" in rows[0]]
+    for name in references:
+        headers += [f"images/s vs {REFERENCE_CONFIGS[name]}", f"bytes vs {REFERENCE_CONFIGS[name]}"]
     body = []
     for r in rows:
+        extra = []
+        for name in references:
+            sent = r.get(f"bytes_vs_{name}")
+            extra += [f"{r[f'images_per_s_vs_{name}']:.3f}", "n/a" if sent is None else f"{sent:.4f}"]
         body.append([
             r["config"],
             f"{r['images_per_s']:.1f}",
@@ -319,6 +343,7 @@ def format_table(rows: list[dict], baseline: str) -> str:
             f"{r['cpu_time_ratio']:.3f}",
             "n/a" if r.get("bytes_per_step") is None else f"{r['bytes_per_step']:.0f}",
             "n/a" if r.get("bytes_ratio") is None else f"{r['bytes_ratio']:.4f}",
+            *extra,
         ])
     widths = [max(len(h), *(len(line[i]) for line in body)) for i, h in enumerate(headers)]
     lines = [
@@ -343,6 +368,9 @@ def format_table(rows: list[dict], baseline: str) -> str:
         "bytes sent/step = bytes a worker hands to bagua_algos' collectives per step (comm.bytes_sent(), "
         "mean over workers; n/a for torch DDP); bytes ratio = config / baseline."
     )
+    for name in references:
+        lines.append(f"images/s vs {REFERENCE_CONFIGS[name]}, bytes vs {REFERENCE_CONFIGS[name]} = "
+                     f"the same ratios against {name} (as in the seed's Table 5.1).")
     return "\n".join(lines)
 
 
@@ -353,7 +381,9 @@ def write_results(path: str, report: dict) -> None:
     if target.suffix.lower() == ".csv":
         fields = ["config", "images_per_s", "ms_per_step", "ms_per_step_min", "ms_per_step_max",
                   "step_time_ratio", "images_per_s_ratio", "step_time_ratio_paired",
-                  "cpu_ms_per_step", "cpu_time_ratio", "baseline",
+                  "cpu_ms_per_step", "cpu_time_ratio", "bytes_per_step", "bytes_ratio",
+                  *(f"{kind}_vs_{name}" for name in REFERENCE_CONFIGS for kind in ("images_per_s", "bytes")),
+                  "baseline",
                   "model", "world_size", "batch_size", "steps", "warmup", "rounds", "torch"]
         with open(target, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
@@ -414,6 +444,7 @@ def run_worker(args, configs) -> None:
             row["bytes_per_step"] = sent_per_step[row["config"]]
             base_sent = sent_per_step[configs[0].spec]
             row["bytes_ratio"] = row["bytes_per_step"] / base_sent if row["bytes_per_step"] and base_sent else None
+        add_reference_ratios(rows)
         say("")
         say(format_table(rows, configs[0].spec), flush=True)
         if rank == 0 and args.out:

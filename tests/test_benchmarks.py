@@ -42,6 +42,14 @@ def test_tiny_run_under_the_launcher(tmp_path):
         assert row["cpu_ms_per_step"] > 0
         for key in ("step_time_ratio", "images_per_s_ratio", "step_time_ratio_paired", "cpu_time_ratio"):
             assert row[key] > 0, key
+    # the seed's Table 5.1 ratios: against gradient_allreduce (timed here), not against
+    # allreduce_average (not timed)
+    assert rows["gradient_allreduce"]["images_per_s_vs_gradient_allreduce"] == pytest.approx(1.0)
+    assert rows["ddp"]["images_per_s_vs_gradient_allreduce"] == pytest.approx(
+        rows["ddp"]["images_per_s"] / rows["gradient_allreduce"]["images_per_s"])
+    assert rows["ddp"]["bytes_vs_gradient_allreduce"] is None  # DDP's bytes are not seen
+    assert "images_per_s_vs_allreduce_average" not in rows["ddp"]
+    assert "images/s vs GA" in out and "images/s vs AA" not in out
     assert rows["ddp"]["step_time_ratio"] == pytest.approx(1.0)
     assert rows["ddp"]["images_per_s_ratio"] == pytest.approx(1.0)
     # both configs train the same model on the same data

@@ -100,25 +100,37 @@ def write_outputs(args, reports: dict) -> None:
             for row in report["results"]:
                 writer.writerow([rate, row["config"], row["images_per_s"], row["images_per_s_ratio"],
                                  row["ms_per_step"], row.get("bytes_per_step")])
+    plot_throughput(reports, f"{args.model}, {args.nodes} nodes × {args.nproc_per_node} worker(s), emulated links",
+                    args.out_dir / "throughput_vs_bandwidth.png")
+
+
+def plot_throughput(reports: dict, title: str, path: Path) -> None:
+    """images/s against the link rate, one line per config, on log-log axes (the
+    configs span two orders of magnitude at the slowest rate); every line has its own
+    colour, marker and dash, so twelve configs stay apart."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5))
     rates = list(reports)
     configs = [row["config"] for row in reports[rates[0]]["results"]]
-    for config in configs:
+    colours = plt.get_cmap("tab20").colors
+    markers, dashes = "osD^vP*Xh<>p", ["-", "--", "-.", ":"]
+    for index, config in enumerate(configs):
         ys = [next(r["images_per_s"] for r in reports[rate]["results"] if r["config"] == config) for rate in rates]
-        ax.plot([_rate_bits(rate) / 1e6 for rate in rates], ys, marker="o", label=config)
+        ax.plot([_rate_bits(rate) / 1e6 for rate in rates], ys, label=config, color=colours[(2 * index) % 20 + (index >= 10)],
+                marker=markers[index % len(markers)], linestyle=dashes[index % len(dashes)])
     ax.set_xscale("log")
+    ax.set_yscale("log")
     ax.set_xlabel("link rate per direction (Mbit/s)")
     ax.set_ylabel("images/s (all workers)")
-    ax.set_title(f"{args.model}, {args.nodes} nodes × {args.nproc_per_node} worker(s), emulated links")
+    ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
-    fig.savefig(args.out_dir / "throughput_vs_bandwidth.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
 

@@ -9,6 +9,7 @@ four-worker run on loopback ends: both average exactly whatever the node layout.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -151,3 +152,39 @@ def test_sigterm_to_a_library_user_removes_namespaces_and_workers(tmp_path):
     assert not [ns for ns in _existing_namespaces() if ns.startswith(tag + "-")], "namespaces left behind"
     with pytest.raises(ProcessLookupError):  # the worker's session was killed too
         os.kill(worker_pid, 0)
+
+
+def test_network_sweep_arguments_are_checked():
+    from benchmarks import network_sweep
+
+    for argv, match in ((["--rates", "fast"], "--rates"), (["--rates", ","], "--rates"),
+                        (["--configs", "no_such_algo"], "--configs"), (["--nodes", "0"], "--nodes")):
+        with pytest.raises(SystemExit):
+            network_sweep.parse_args(argv)
+
+
+def test_network_sweep_plot_draws_every_config(tmp_path):
+    from benchmarks.network_sweep import plot_throughput
+
+    reports = {rate: {"results": [{"config": f"c{i}", "images_per_s": (i + 1) * scale} for i in range(12)]}
+               for rate, scale in (("100mbit", 1.0), ("1gbit", 10.0))}
+    path = tmp_path / "plot.png"
+    plot_throughput(reports, "test", path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_netns
+def test_network_sweep_runs_over_emulated_links(tmp_path):
+    before = set(_existing_namespaces())
+    code, out, err = run_python([str(REPO / "benchmarks" / "network_sweep.py"), "--nodes", "2", "--rates", "10gbit",
+                                 "--model", "cnn", "--batch-size", "4", "--steps", "2", "--warmup", "1",
+                                 "--rounds", "1", "--timeout", "150", "--out-dir", str(tmp_path),
+                                 "--configs", "gradient_allreduce;terngrad:bits=2"], timeout=200)
+    assert code == 0, err[-3000:]
+    assert set(_existing_namespaces()) == before
+    report = json.loads((tmp_path / "results.json").read_text())
+    rows = {row["config"]: row for row in report["10gbit"]["results"]}
+    assert set(rows) == {"gradient_allreduce", "terngrad:bits=2"}
+    assert rows["terngrad:bits=2"]["bytes_per_step"] < rows["gradient_allreduce"]["bytes_per_step"] / 10
+    assert (tmp_path / "throughput_vs_bandwidth.png").stat().st_size > 0
+    assert "10gbit: baseline gradient_allreduce" in out

@@ -96,3 +96,12 @@ def test_cifar10_batches_load_and_vgg11_classifies_them(tmp_path):
     (tmp_path / "test_batch").unlink()
     with pytest.raises(FileNotFoundError, match="test_batch"):
         load_data("cifar10", str(tmp_path), seed=0)
+
+
+def test_terngrad_rows_name_bits_and_clip():
+    from benchmarks.common import parse_configs
+    from benchmarks.heterogeneity_sweep import config_label
+
+    clipped, plain = parse_configs("terngrad:bits=2,clip=2.5;terngrad:bits=4")
+    assert config_label(clipped) == "terngrad (2 bits, clip 2.5)"
+    assert config_label(plain) == "terngrad (4 bits)"

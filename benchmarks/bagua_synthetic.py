@@ -157,12 +157,14 @@ def run(args) -> dict:
     import bagua_algos
     from bagua_algos.runtime import comm
 
-    cuda = not args.no_cuda and torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(bagua_algos.get_local_rank())
-    else:
+    from benchmarks.common import init_for_device, worker_device
+
+    # Bagua's script runs on GPU LOCAL_RANK unless --no_cuda; here a node with fewer
+    # GPUs than workers runs on CPU instead of failing.
+    cuda = not args.no_cuda and worker_device("auto") == "cuda"
+    if not cuda:
         torch.set_num_threads(args.threads)
-    bagua_algos.init_process_group()
+    init_for_device("cuda" if cuda else "cpu")
     rank, world = bagua_algos.get_rank(), bagua_algos.get_world_size()
     if args.deterministic:
         torch.manual_seed(rank)

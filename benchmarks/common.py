@@ -176,6 +176,34 @@ def without_flag(argv: list[str], flag: str) -> list[str]:
     return out
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def worker_device(choice: str = "auto") -> str:
+    """``"cuda"`` or ``"cpu"`` for a worker of a launched job: ``"auto"`` is CUDA when
+    the node has a GPU for each of its workers (LOCAL_WORLD_SIZE), else CPU, so a job
+    with more workers than GPUs runs on CPU instead of failing."""
+    import torch
+
+    if choice not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {choice!r}")
+    if choice != "auto":
+        return choice
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= local else "cpu"
+
+
+def init_for_device(device: str):
+    """Join the job for a worker training on ``device`` ("cpu": gloo; "cuda": NCCL,
+    on GPU LOCAL_RANK) and return the torch.device it trains on."""
+    import torch
+
+    from bagua_algos.runtime import comm
+
+    comm.init_process_group(backend="nccl" if device == "cuda" else "gloo")
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+
+
 def launch_self(script: str, nproc: int, argv: list[str], command_env: str) -> None:
     """Run ``script`` with ``argv`` in ``nproc`` local workers through the plugin's
     launcher (torchrun underneath); it exits non-zero if a worker fails. The user's

@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, kept local (default 0.9)")
     p.add_argument("--weight-decay", type=float, default=1e-4, help="SGD weight decay (default 1e-4)")
     p.add_argument("--max-steps-per-epoch", type=positive_int, default=None, help="cut epochs short (for smoke tests)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the workers train: cpu (default: the models are small; gloo) or cuda (each worker on "
+                        "GPU LOCAL_RANK over NCCL; needs a GPU per worker, so --workers at most the GPU count)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, the partition and the models (default 0)")
     p.add_argument("--out-dir", default="results/sweep", help="where the table, JSON and plots go (default results/sweep)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -158,7 +161,7 @@ class Evaluator:
         from bagua_algos.runtime import comm
 
         mine = accuracy(model, self.data.test_x, self.data.test_y)
-        everyone = torch.zeros(comm.get_world_size(), dtype=torch.float64)
+        everyone = torch.zeros(comm.get_world_size(), dtype=torch.float64)  # CPU tensors: over gloo in any job
         comm.allgather(torch.tensor([mine], dtype=torch.float64), everyone)
         with torch.no_grad():
             flat = torch.nn.utils.parameters_to_vector(model.parameters()).clone()
@@ -177,12 +180,12 @@ def train_one(args, data, config, alpha: float, lr: float, evaluator) -> dict:
 
     rank, world = comm.get_rank(), comm.get_world_size()
     torch.manual_seed(args.seed)
-    model = build_model(data)
+    model = build_model(data).to(data.train_x.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
     model.with_bagua([optimizer], config.build_algorithm(), **config.wrap_kwargs)
     sampler = DistributedHeterogeneousSampler(
         TensorDataset(data.train_x, data.train_y), num_replicas=world, rank=rank,
-        alpha=alpha, seed=args.seed, labels=data.train_y,
+        alpha=alpha, seed=args.seed, labels=data.train_y.cpu(),
     )
     loader = DataLoader(TensorDataset(data.train_x, data.train_y), batch_size=args.batch_size, sampler=sampler)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -231,10 +234,11 @@ def run_worker(args) -> None:
     from benchmarks.sweep_data import build_model, load_data
 
     torch.set_num_threads(1)
-    comm.init_process_group()
+    comm.init_process_group(backend="gloo" if args.device == "cpu" else "nccl")
     rank = comm.get_rank()
-    data = load_data(args.dataset, args.data_dir, args.seed)
-    evaluator = Evaluator(data, lambda: build_model(data))
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    data = load_data(args.dataset, args.data_dir, args.seed).to(device)
+    evaluator = Evaluator(data, lambda: build_model(data).to(device))
     lrs = args.lr_grid or [args.lr]
     jobs = [(c, a, lr) for a in args.alphas for c in args.parsed_configs for lr in lrs]
     bar = None

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +29,10 @@ class SplitData:
     test_y: torch.Tensor
     num_classes: int
     name: str
+
+    def to(self, device) -> "SplitData":
+        """The same split with its tensors on ``device``."""
+        return replace(self, **{k: getattr(self, k).to(device) for k in ("train_x", "train_y", "test_x", "test_y")})
 
 
 def load_digits(seed: int = 0) -> SplitData:

@@ -53,7 +53,8 @@ _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:  # run as a script: make the repository importable
     sys.path.insert(0, str(_REPO))
 
-from benchmarks.common import BenchConfig, ConfigError, launch_self, parse_configs, without_flag  # noqa: E402
+from benchmarks.common import (DEVICES, BenchConfig, ConfigError, init_for_device, launch_self, parse_configs,  # noqa: E402
+                               without_flag, worker_device)
 
 PROG = "synthetic_benchmark"
 MODELS = ("mlp", "cnn", "cifar_resnet18", "resnet18", "resnet50", "vgg11")
@@ -115,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="hidden width of the mlp (default 1024: about 5.2 M parameters)")
     parser.add_argument("--mlp-layers", type=int, default=3, help="hidden layers of the mlp (default 3)")
     parser.add_argument("--seed", type=int, default=42, help="seed of the model and the data (default 42)")
+    parser.add_argument("--device", choices=DEVICES, default="auto",
+                        help="where each worker trains: cuda (GPU LOCAL_RANK, NCCL), cpu (gloo), or auto (default: "
+                        "cuda when the node has a GPU per worker, else cpu)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per worker (default 1: the workers share the cores)")
     parser.add_argument("--out", default=None,
@@ -172,6 +176,8 @@ def host_info(world_size: int) -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "backend": comm.get_backend(),
+        "device": (f"cuda ({torch.cuda.get_device_name()}, {torch.cuda.device_count()} GPU(s))"
+                   if comm.get_backend() == "nccl" else "cpu"),
         "world_size": world_size,
         "torch_threads_per_worker": torch.get_num_threads(),
         "master_addr": os.environ.get("MASTER_ADDR"),
@@ -187,21 +193,21 @@ def command_line(world_size: int) -> str:
     return shlex.join(["python", "-m", "bagua_algos.launch", "--nproc_per_node", local, script, *sys.argv[1:]])
 
 
-def _synthetic_batch(args):
+def _synthetic_batch(args, device):
     import torch
 
-    g = torch.Generator().manual_seed(args.seed + 1)
+    g = torch.Generator().manual_seed(args.seed + 1)  # drawn on the CPU: the same batch on every device
     data = torch.randn(args.batch_size, *IMAGE_SHAPE, generator=g)
     target = torch.randint(0, args.num_classes, (args.batch_size,), generator=g)
-    return data, target
+    return data.to(device), target.to(device)
 
 
-def _wrap(config: BenchConfig, args):
+def _wrap(config: BenchConfig, args, device):
     """(model to call, optimizer, finaliser) for a fresh model wrapped as ``config`` says."""
     import torch
 
     torch.manual_seed(args.seed)
-    model = build_model(args.model, args.num_classes, args.mlp_hidden, args.mlp_layers)
+    model = build_model(args.model, args.num_classes, args.mlp_hidden, args.mlp_layers).to(device)
     if config.is_qadam:
         # Adam's step is larger than SGD's at the same rate. The switch to compression
         # rebuilds the buckets, and as in Bagua that re-broadcasts the parameters and
@@ -235,7 +241,8 @@ def time_config(config: BenchConfig, args, data, target, world_size: int) -> dic
     import bagua_algos
     from bagua_algos.runtime import comm
 
-    model, optimizer, finish = _wrap(config, args)
+    model, optimizer, finish = _wrap(config, args, data.device)
+    sync = torch.cuda.synchronize if data.is_cuda else (lambda: None)
     model.train()
     loss_fn = torch.nn.CrossEntropyLoss()
 
@@ -248,11 +255,13 @@ def time_config(config: BenchConfig, args, data, target, world_size: int) -> dic
 
     for _ in range(args.warmup):
         step()
+    sync()
     bagua_algos.barrier()
     comm.reset_bytes_sent()
     start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(args.steps):
         loss = step()
+    sync()
     cpu = time.process_time() - cpu_start
     sent = comm.bytes_sent()  # bytes this worker handed to comm (torch DDP's are not seen)
     bagua_algos.barrier()
@@ -403,14 +412,14 @@ def run_worker(args, configs) -> None:
     import bagua_algos
 
     torch.set_num_threads(args.threads)
-    bagua_algos.init_process_group()
+    device = init_for_device(worker_device(args.device))
     try:
         rank, world_size = bagua_algos.get_rank(), bagua_algos.get_world_size()
         say = print if rank == 0 else (lambda *a, **k: None)
         info = host_info(world_size)
         n_params = sum(p.numel() for p in build_model(args.model, args.num_classes, args.mlp_hidden, args.mlp_layers).parameters())
         say(f"{PROG}: command: {command_line(world_size)}")
-        say(f"{PROG}: world size {world_size}, backend {info['backend']}, torch {info['torch']}, "
+        say(f"{PROG}: device {info['device']}, world size {world_size}, backend {info['backend']}, torch {info['torch']}, "
             f"python {info['python']}, {info['torch_threads_per_worker']} torch thread(s) per worker")
         say(f"{PROG}: host {info['host']}: {info['cpu_count']} CPUs ({info['cpus_usable']} usable), "
             f"{info['cpu_model']}, {info['platform']}")
@@ -418,7 +427,7 @@ def run_worker(args, configs) -> None:
             f"{args.warmup} warmup + {args.steps} timed steps, {args.rounds} round(s), "
             f"configs {[c.spec for c in configs]} (baseline {configs[0].spec})", flush=True)
 
-        data, target = _synthetic_batch(args)
+        data, target = _synthetic_batch(args, device)
         per_round: dict[str, list[float]] = {c.spec: [] for c in configs}
         cpu_per_round: dict[str, list[float]] = {c.spec: [] for c in configs}
         losses: dict[str, float] = {}

@@ -1,7 +1,8 @@
-"""Run a function on N gloo workers on this machine, for tests.
+"""Run a function on N gloo (or NCCL) workers on this machine, for tests.
 
 ``run_workers(fn, world_size, *args)`` spawns ``world_size`` processes that rendezvous
-through a file store, join the process group with a short timeout, call
+through a file store, join the process group (gloo unless ``backend="nccl"``: each
+worker then on GPU LOCAL_RANK) with a short timeout, call
 ``fn(rank, world_size, *args)`` and send back its return value. A worker's exception
 fails the caller with that worker's traceback; a worker that does not finish within
 ``timeout`` seconds is killed and fails the caller too, so nothing hangs.
@@ -22,7 +23,7 @@ from datetime import timedelta
 DEFAULT_TIMEOUT = 120.0
 
 
-def _worker(rank, world_size, store_path, fn, args, results, pg_timeout, env):
+def _worker(rank, world_size, store_path, fn, args, results, pg_timeout, env, backend):
     os.environ.update(env)
     local_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % local_size), "LOCAL_WORLD_SIZE": str(local_size)})
@@ -34,7 +35,7 @@ def _worker(rank, world_size, store_path, fn, args, results, pg_timeout, env):
         from bagua_algos.runtime import comm
 
         store = dist.FileStore(store_path, world_size)
-        comm.init_process_group(backend="gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+        comm.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
         try:
             value = fn(rank, world_size, *args)
         finally:
@@ -46,14 +47,18 @@ def _worker(rank, world_size, store_path, fn, args, results, pg_timeout, env):
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_workers(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, pg_timeout: float = 30.0, env: dict | None = None):
-    """``[fn(0, n, *args), ..., fn(n-1, n, *args)]``, each run in its own gloo worker."""
+def run_workers(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, pg_timeout: float = 30.0,
+                env: dict | None = None, backend: str = "gloo"):
+    """``[fn(0, n, *args), ..., fn(n-1, n, *args)]``, each run in its own worker of a
+    ``backend`` group ("gloo": CPU tensors, and CUDA tensors staged through the host;
+    "nccl": CUDA tensors over NCCL, CPU tensors over gloo, one GPU per worker)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, store_path, fn, args, results, pg_timeout, dict(env or {})), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, store_path, fn, args, results, pg_timeout, dict(env or {}), backend),
+                        daemon=True)
             for r in range(world_size)
         ]
         for p in procs:

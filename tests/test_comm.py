@@ -78,15 +78,19 @@ def v_inplace_layout(i: int, n: int):
 OPS = ["SUM", "PRODUCT", "MIN", "MAX", "BOR", "BAND", "BXOR"]
 
 
-def _all_collectives(cn: str, obj) -> dict:
-    """Run every collective over communicator ``obj`` (named ``cn``); the outputs."""
+def _all_collectives(cn: str, obj, device: str = "cpu") -> dict:
+    """Run every collective over communicator ``obj`` (named ``cn``) on tensors of
+    ``device``; the outputs, on the CPU."""
     c = comm._as_communicator(obj)
     me, i, n = comm.get_rank(), c.rank(), c.nranks()
     last = n - 1
     out = {"ranks": list(c.ranks), "rank": i}
 
     def x(k, size, dtype=torch.int64):
-        return inp(f"{cn}/{k}", me, size, dtype)
+        return inp(f"{cn}/{k}", me, size, dtype).to(device)
+
+    zeros = functools.partial(torch.zeros, device=device)
+    full = functools.partial(torch.full, device=device)
 
     for name in OPS:
         t = x(name, 5)
@@ -98,46 +102,46 @@ def _all_collectives(cn: str, obj) -> dict:
     t = x("AVGi", 5)
     comm.allreduce_inplace(t, comm.ReduceOp.AVG, obj)
     out["allreduce_inplace/AVGi"] = t
-    send, recv = x("allreduce", 4), torch.zeros(4, dtype=torch.int64)
+    send, recv = x("allreduce", 4), zeros(4, dtype=torch.int64)
     comm.allreduce(send, recv, comm.ReduceOp.MIN, obj)
     out["allreduce"] = (send, recv)
     t = x("broadcast", 3)
     comm.broadcast(t, last, obj)
     out["broadcast"] = t
-    send, recv = x("reduce", 3), torch.full((3,), 99)
+    send, recv = x("reduce", 3), full((3,), 99)
     comm.reduce(send, recv, 0, comm.ReduceOp.SUM, obj)
     out["reduce"] = (send, recv)
     t = x("reduce_inplace", 3)
     comm.reduce_inplace(t, last, comm.ReduceOp.MAX, obj)
     out["reduce_inplace"] = t
-    send, recv = x("allgather", 2), torch.zeros(2 * n, dtype=torch.int64)
+    send, recv = x("allgather", 2), zeros(2 * n, dtype=torch.int64)
     comm.allgather(send, recv, obj)
     out["allgather"] = recv
     t = x("allgather_inplace", 2 * n)
     comm.allgather_inplace(t, obj)
     out["allgather_inplace"] = t
-    send, recv = x("gather", 2), torch.full((2 * n,), 99)
+    send, recv = x("gather", 2), full((2 * n,), 99)
     comm.gather(send, recv, last, obj)
     out["gather"] = recv
     t = x("gather_inplace", 2 * n if i == 0 else 2)
     comm.gather_inplace(t, 2, 0, obj)
     out["gather_inplace"] = t
-    send, recv = x("scatter", 2 * n), torch.zeros(2, dtype=torch.int64)
+    send, recv = x("scatter", 2 * n), zeros(2, dtype=torch.int64)
     comm.scatter(send, recv, 0, obj)
     out["scatter"] = recv
     t = x("scatter_inplace", 2 * n if i == last else 2)
     comm.scatter_inplace(t, 2, last, obj)
     out["scatter_inplace"] = t
-    send, recv = x("reduce_scatter", 2 * n), torch.zeros(2, dtype=torch.int64)
+    send, recv = x("reduce_scatter", 2 * n), zeros(2, dtype=torch.int64)
     comm.reduce_scatter(send, recv, comm.ReduceOp.SUM, obj)
     out["reduce_scatter"] = recv
-    send, recv = x("reduce_scatter_avg", 2 * n, torch.float64), torch.zeros(2, dtype=torch.float64)
+    send, recv = x("reduce_scatter_avg", 2 * n, torch.float64), zeros(2, dtype=torch.float64)
     comm.reduce_scatter(send, recv, comm.ReduceOp.AVG, obj)
     out["reduce_scatter_avg"] = recv
     t = x("reduce_scatter_inplace", 2 * n)
     comm.reduce_scatter_inplace(t, comm.ReduceOp.MAX, obj)
     out["reduce_scatter_inplace"] = t
-    send, recv = x("alltoall", 2 * n), torch.zeros(2 * n, dtype=torch.int64)
+    send, recv = x("alltoall", 2 * n), zeros(2 * n, dtype=torch.int64)
     comm.alltoall(send, recv, obj)
     out["alltoall"] = recv
     t = x("alltoall_inplace", 2 * n)
@@ -145,13 +149,13 @@ def _all_collectives(cn: str, obj) -> dict:
     out["alltoall_inplace"] = t
     if i >= 0:
         sc, sd, ss, rc, rd, rs = v_layout(i, n)
-        send, recv = x("alltoall_v", ss), torch.full((rs,), 99)
+        send, recv = x("alltoall_v", ss), full((rs,), 99)
         comm.alltoall_v(send, sc, sd, recv, rc, rd, obj)
         out["alltoall_v"] = recv
         # packed layout (displacements are the prefix sums), counts as tensors
-        send, recv = x("alltoall_v_packed", sum(sc)), torch.zeros(sum(rc), dtype=torch.int64)
+        send, recv = x("alltoall_v_packed", sum(sc)), zeros(sum(rc), dtype=torch.int64)
         prefix = lambda cs: [sum(cs[:j]) for j in range(n)]  # noqa: E731
-        comm.alltoall_v(send, torch.tensor(sc), prefix(sc), recv, rc, torch.tensor(prefix(rc)), obj)
+        comm.alltoall_v(send, torch.tensor(sc, device=device), prefix(sc), recv, rc, torch.tensor(prefix(rc), device=device), obj)
         out["alltoall_v_packed"] = recv
         counts, displs, size = v_inplace_layout(i, n)
         t = x("alltoall_v_inplace", size)
@@ -161,7 +165,7 @@ def _all_collectives(cn: str, obj) -> dict:
             if i == 0:
                 comm.send(x("send", 3), last, obj)
             elif i == last:
-                t = torch.zeros(3, dtype=torch.int64)
+                t = zeros(3, dtype=torch.int64)
                 comm.recv(t, 0, obj)
                 out["recv"] = t
     assert comm.barrier(obj) is None
@@ -170,7 +174,8 @@ def _all_collectives(cn: str, obj) -> dict:
     assert isinstance(handle, comm.CommHandle)
     handle.wait()
     out["async"] = t
-    return out
+    return {k: tuple(v.cpu() for v in val) if isinstance(val, tuple) else
+            val.cpu() if isinstance(val, torch.Tensor) else val for k, val in out.items()}
 
 
 def _collectives_worker(rank, n):
@@ -567,7 +572,7 @@ def test_init_process_group_takes_baguas_signature(monkeypatch, tmp_path):
         comm.init_process_group(store, 0, 2, 3)
     with pytest.raises(ValueError, match="timeout must be a positive number"):
         comm.init_process_group(store, 0, 1, timeout=-1)
-    with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl'"):
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'gloo', 'nccl'"):
         comm.init_process_group(store, 0, 1, backend="mpi")
     assert not comm.is_initialized()
     comm.init_process_group(store, 0, 1, 1, backend="gloo", timeout=5)
@@ -705,3 +710,46 @@ def test_neighbor_exchange_jobs_exit_cleanly_every_time():
     assert not bad, f"launches with a failed worker (launch, exit codes): {bad}\n{err[-3000:]}"
     assert "terminate called" not in err
     print(f"{launches} launches of {workers} workers: {time.monotonic() - started:.1f} s")
+
+
+def test_backend_choice_names_the_gpu_count_before_any_cuda_call(monkeypatch, tmp_path):
+    """More workers on a node than GPUs: a clear error with both counts and the ways out,
+    raised before torch.cuda.set_device (never "invalid device ordinal")."""
+    monkeypatch.delenv(comm.BACKEND_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+    def no_cuda_call(*args, **kwargs):
+        raise AssertionError("a CUDA call before the worker count was checked")
+
+    monkeypatch.setattr(torch.cuda, "set_device", no_cuda_call)
+    with pytest.raises(RuntimeError, match=r"runs 8 worker\(s\) and has 1 visible GPU.*--nproc_per_node 1.*backend='gloo'"):
+        comm.choose_backend(None, 8)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 2)
+    with pytest.raises(RuntimeError, match=r"runs 2 worker\(s\) and has 1 visible GPU"):
+        comm.init_process_group(store, 0, 2, 2)
+    assert not comm.is_initialized()
+    assert comm.choose_backend(None, 1) == "cpu:gloo,cuda:nccl"  # CUDA over NCCL, CPU tensors over gloo
+    assert comm.choose_backend("nccl", 1) == comm.choose_backend("cpu:gloo,cuda:nccl", 1) == "cpu:gloo,cuda:nccl"
+    assert comm.choose_backend("gloo", 8) == "gloo"
+    monkeypatch.setenv(comm.BACKEND_ENV, "gloo")
+    assert comm.choose_backend(None, 8) == "gloo"
+    monkeypatch.setenv(comm.BACKEND_ENV, "mpi")
+    with pytest.raises(ValueError, match=r"\$BAGUA_ALGOS_BACKEND must be one of 'auto', 'gloo', 'nccl'"):
+        comm.choose_backend(None, 1)
+    monkeypatch.delenv(comm.BACKEND_ENV)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert comm.choose_backend(None, 8) == "gloo"
+    with pytest.raises(RuntimeError, match=r"runs 1 worker\(s\) and has 0 visible GPU"):
+        comm.choose_backend("nccl", 1)
+
+
+def test_launcher_backend_flag_sets_the_workers_default(monkeypatch):
+    from bagua_algos.runtime import launch
+
+    assert launch.parse_args(["--backend", "gloo", "train.py"]).backend == "gloo"
+    assert launch.parse_args(["train.py"]).backend is None
+    with pytest.raises(SystemExit):
+        launch.parse_args(["--backend", "mpi", "train.py"])

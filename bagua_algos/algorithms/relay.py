@@ -172,10 +172,13 @@ class RelayAlgorithmImpl(AlgorithmImpl):
         ranges = coordinate_ranges(bucket.numel, len(self.trees))
         for k, (tree, (start, end)) in enumerate(zip(self.trees, ranges)):
             self._links[(bucket.name, k)] = _Link(start, end, tree.neighbors(self.me), bucket.dtype, bucket.device)
-        if not self._count_send:  # count tensors live on the (first) bucket's device
+        if not self._count_send:
+            # Counts live on the CPU whatever the model's device: they are read on the host
+            # every step (n̄ is a Python float), so on a GPU they travel over gloo beside the
+            # messages instead of costing a device synchronisation.
             for j, trees in self._count_trees.items():
-                self._count_send[j] = torch.zeros(len(trees), dtype=torch.float64, device=bucket.device)
-                self._count_recv[j] = torch.zeros(len(trees), dtype=torch.float64, device=bucket.device)
+                self._count_send[j] = torch.zeros(len(trees), dtype=torch.float64)
+                self._count_recv[j] = torch.zeros(len(trees), dtype=torch.float64)
         if self.mode == "world_size":
             # with_bagua broadcast the parameters before calling us: this is the common x0.
             self._x0[bucket.name] = bucket.flattened_tensor()
@@ -204,14 +207,18 @@ class RelayAlgorithmImpl(AlgorithmImpl):
                 for j in link.neighbors:
                     sends.append((ranks[j], messages[j]))
                     recvs.append((ranks[j], targets[j]))
+        count_sends, count_recvs = [], []
         for j, trees in self._count_trees.items():
             outgoing = self._count_send[j]
             for index, k in enumerate(trees):
                 heard = self._heard_counts[k]
                 outgoing[index] = 1.0 + sum(c for other, c in heard.items() if other != j)
-            sends.append((ranks[j], outgoing))
-            recvs.append((ranks[j], self._count_recv[j]))
-        comm.neighbor_exchange(sends, recvs)
+            count_sends.append((ranks[j], outgoing))
+            count_recvs.append((ranks[j], self._count_recv[j]))
+        # Messages on the model's device, counts on the CPU: two exchanges in flight at once.
+        counts = comm.start_neighbor_exchange(count_sends, count_recvs, group=self.process_group)
+        comm.neighbor_exchange(sends, recvs, group=self.process_group)
+        counts.wait()
 
         dropped = self._simulate_drops()
         for j, trees in self._count_trees.items():

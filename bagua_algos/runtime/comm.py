@@ -331,6 +331,47 @@ _torch_group_comms: dict = {}  # torch ProcessGroup -> BaguaCommunicator
 _NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
 
 
+BACKEND_ENV = "BAGUA_ALGOS_BACKEND"
+BACKENDS = ("auto", "gloo", "nccl")
+# NCCL carries CUDA tensors, gloo CPU tensors: one group serves both (torch's per-device
+# backends), so a script's CPU flags and counters work in a GPU job, as under Bagua.
+_MIXED = "cpu:gloo,cuda:nccl"
+
+
+def choose_backend(backend: str | None = None, local_world_size: int | None = None) -> str:
+    """The torch backend string for ``backend`` (``None``: $BAGUA_ALGOS_BACKEND, else
+    ``"auto"``) on a node running ``local_world_size`` workers (default: LOCAL_WORLD_SIZE).
+
+    - ``"gloo"``: gloo for every tensor; CUDA tensors are staged through host memory.
+    - ``"nccl"``: NCCL for CUDA tensors and gloo for CPU tensors, each worker on GPU
+      ``LOCAL_RANK``; needs a GPU per worker of the node.
+    - ``"auto"``: ``"nccl"`` when CUDA is available, else ``"gloo"``.
+
+    A node with more workers than GPUs is refused here, before any CUDA call, naming
+    both counts and the ways out (one process per GPU could never share one NCCL
+    device, and ``cuda:LOCAL_RANK`` would not exist)."""
+    where = "backend"
+    if backend is None:
+        backend = os.environ.get(BACKEND_ENV) or "auto"
+        where = f"${BACKEND_ENV}" if os.environ.get(BACKEND_ENV) else "backend"
+    if backend == _MIXED:
+        backend = "nccl"
+    if backend not in BACKENDS:
+        raise ValueError(f"{where} must be one of {', '.join(map(repr, BACKENDS))} (or {_MIXED!r}), got {backend!r}")
+    if backend == "gloo" or (backend == "auto" and not torch.cuda.is_available()):
+        return "gloo"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    workers = local_world_size if local_world_size and local_world_size > 0 else _env_int("LOCAL_WORLD_SIZE", 1)
+    if workers > gpus:
+        raise RuntimeError(
+            f"{where}={backend!r} puts each worker on its own GPU (NCCL, device cuda:LOCAL_RANK), but this node "
+            f"runs {workers} worker(s) and has {gpus} visible GPU(s). Start at most {gpus} worker(s) per node "
+            f"(--nproc_per_node {max(gpus, 1)}), or run on CPU over gloo: init_process_group(backend='gloo'), "
+            f"{BACKEND_ENV}=gloo, or the launcher's --backend gloo"
+        )
+    return _MIXED
+
+
 def init_process_group(
     store: dist.Store | None = None,
     rank: int = -1,
@@ -347,19 +388,18 @@ def init_process_group(
     and MASTER_PORT. With ``store``, ``rank`` and ``world_size`` come from the
     arguments (or RANK / WORLD_SIZE). ``local_world_size`` (or LOCAL_WORLD_SIZE)
     sets how many consecutive ranks share a node; when neither is given all
-    processes are taken to be on one node. ``backend`` is NCCL when CUDA is available,
-    else gloo. ``timeout`` (a timedelta or seconds, default 10 minutes) bounds every
-    wait on a peer, in this group and in every group created from it, so a dead or
-    silent peer becomes an error instead of a hang.
+    processes are taken to be on one node. ``backend`` (``"auto"``, ``"gloo"`` or
+    ``"nccl"``; default $BAGUA_ALGOS_BACKEND, else ``"auto"``) is chosen by
+    :func:`choose_backend`: with NCCL, CUDA tensors travel over NCCL, CPU tensors over
+    gloo, and the current CUDA device becomes ``cuda:LOCAL_RANK``; with gloo, CUDA
+    tensors are staged through host memory. ``timeout`` (a timedelta or seconds,
+    default 10 minutes) bounds every wait on a peer, in this group and in every group
+    created from it, so a dead or silent peer becomes an error instead of a hang.
     """
     if isinstance(store, str):  # the old positional order began with the backend
         backend, store = store, None
     if is_initialized():
         raise RuntimeError("init_process_group() was called twice in this process")
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if timeout is None:
         timeout = DEFAULT_TIMEOUT
     elif not isinstance(timeout, timedelta):
@@ -389,15 +429,17 @@ def init_process_group(
         raise ValueError(f"rank must be in [0, {world_size}) for world_size={world_size}, got {rank}")
     if local_world_size >= 0 and not 1 <= local_world_size <= world_size:
         raise ValueError(f"local_world_size must be in [1, {world_size}], got {local_world_size}")
-    if backend == "nccl":
-        if local_world_size > 0:
-            device = rank % local_world_size
-        elif "LOCAL_RANK" in os.environ:
-            device = _env_int("LOCAL_RANK")
-        else:
-            device = rank % torch.cuda.device_count()
-        torch.cuda.set_device(device)
-    kwargs = {"backend": backend, "timeout": timeout, "rank": rank, "world_size": world_size}
+    if local_world_size < 0:
+        local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+        if not 1 <= local_world_size <= world_size:
+            raise ValueError(f"LOCAL_WORLD_SIZE must be in [1, {world_size}], got {local_world_size}")
+        local_rank = _env_int("LOCAL_RANK", rank % local_world_size)
+    else:
+        local_rank = rank % local_world_size
+    torch_backend = choose_backend(backend, local_world_size)
+    if torch_backend != "gloo":
+        torch.cuda.set_device(local_rank)
+    kwargs = {"backend": torch_backend, "timeout": timeout, "rank": rank, "world_size": world_size}
     if store is not None:
         kwargs["store"] = store
     else:
@@ -405,11 +447,8 @@ def init_process_group(
     dist.init_process_group(**kwargs)
     _state.update(timeout=timeout, owner=True, default=None, group_count=0)
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
-    if local_world_size > 0:
-        os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
-        os.environ["LOCAL_RANK"] = str(rank % local_world_size)
-    os.environ.setdefault("LOCAL_RANK", str(rank))
-    os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
+    os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
+    os.environ["LOCAL_RANK"] = str(local_rank)
     if not _state["atexit"]:
         atexit.register(_destroy_at_exit)
         _state["atexit"] = True
@@ -435,10 +474,10 @@ def _destroy_at_exit() -> None:
 
 
 def get_backend(group=None) -> str:
-    """``"gloo"`` or ``"nccl"``: the backend of ``group`` (default: the job's)."""
+    """``"gloo"`` or ``"nccl"``: the backend of ``group`` (default: the job's). With
+    ``"nccl"``, CUDA tensors travel over NCCL and CPU tensors over gloo."""
     _require_init("get_backend()")
-    c = _as_communicator(group)
-    return str(dist.get_backend(None if c._group is _NON_MEMBER else c._group))
+    return _as_communicator(group).backend()
 
 
 def _new_torch_group(ranks: Sequence[int]):
@@ -476,9 +515,15 @@ class BaguaCommunicator:
         return self._group
 
     def backend(self) -> str:
+        """``"nccl"`` (CUDA tensors over NCCL, CPU tensors over gloo) or ``"gloo"``."""
         if self._backend is None:
-            self._backend = str(dist.get_backend(self._group))
+            name = str(dist.get_backend(None if self._group is _NON_MEMBER else self._group))
+            self._backend = "nccl" if "nccl" in name else name
         return self._backend
+
+    def uses_nccl(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` travels over NCCL (a CUDA tensor in a group that has it)."""
+        return tensor.is_cuda and self.backend() == "nccl"
 
     def global_rank(self, rank: int, what: str = "rank") -> int:
         """The global rank of communicator rank ``rank``."""
@@ -722,7 +767,7 @@ def _op_and_finish(op: ReduceOp, c: BaguaCommunicator, out: torch.Tensor):
     """The torch op to run and the finishers that complete ``op`` on ``out``."""
     if op != ReduceOp.AVG:
         return _TORCH_OPS[op], []
-    if c.backend() == "nccl":
+    if c.uses_nccl(out):
         return dist.ReduceOp.AVG, []
     return dist.ReduceOp.SUM, [_divider(out, c.nranks())]
 
@@ -781,6 +826,33 @@ def _skip(async_op: bool):
     return CommHandle() if async_op else None
 
 
+class _Staging:
+    """Host copies of the CUDA tensors of one gloo call.
+
+    gloo's point-to-point and most of its collectives cannot read device memory (handed
+    a CUDA pointer, its socket writes abort the process), so a CUDA tensor that does not
+    travel over NCCL is copied to host memory before the call and, if the call writes
+    it, copied back when the handle completes, before any other finisher runs. Tensors
+    on NCCL or on the CPU are used as they are (no copy). ``force`` stages every CUDA
+    tensor (a call that mixes devices is posted on gloo alone)."""
+
+    def __init__(self, c: BaguaCommunicator, force: bool = False):
+        self._c = c
+        self._force = force
+        self._copy_back = []
+
+    def __call__(self, t: torch.Tensor, *, read: bool = True, write: bool = False) -> torch.Tensor:
+        if not t.is_cuda or (not self._force and self._c.uses_nccl(t)):
+            return t
+        host = t.detach().to("cpu") if read else torch.empty(t.shape, dtype=t.dtype)
+        if write:
+            self._copy_back.append(lambda: t.copy_(host))
+        return host
+
+    def handle(self, works, finishers=()) -> CommHandle:
+        return CommHandle(works, self._copy_back + list(finishers))
+
+
 def allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm=None, *, group=None,
                       async_op: bool = False):
     """``tensor`` ← reduction over the communicator of every member's ``tensor``."""
@@ -791,8 +863,9 @@ def allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm=No
     op = _reduce_op(op, tensor)
     torch_op, finishers = _op_and_finish(op, c, tensor)
     _count(_nbytes(tensor))
-    work = dist.all_reduce(tensor, op=torch_op, group=c.torch_group, async_op=True)
-    return _finish(CommHandle([work], finishers), async_op)
+    st = _Staging(c)
+    work = dist.all_reduce(st(tensor, write=True), op=torch_op, group=c.torch_group, async_op=True)
+    return _finish(st.handle([work], finishers), async_op)
 
 
 def allreduce(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm=None, *,
@@ -823,8 +896,9 @@ def broadcast(tensor: torch.Tensor, src: int = 0, comm=None, *, group=None, asyn
     src = _peer(c, local, src, "src")
     if get_rank() == src:
         _count(_nbytes(tensor))
-    work = dist.broadcast(tensor, src=src, group=c.torch_group, async_op=True)
-    return _finish(CommHandle([work]), async_op)
+    st = _Staging(c)
+    work = dist.broadcast(st(tensor, write=get_rank() != src), src=src, group=c.torch_group, async_op=True)
+    return _finish(st.handle([work]), async_op)
 
 
 def reduce(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, comm=None,
@@ -862,7 +936,8 @@ def reduce_inplace(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, 
     _check_tensor("tensor", tensor)
     op = _reduce_op(op, tensor)
     dst = _peer(c, local, dst, "dst")
-    buffer = tensor if get_rank() == dst or c.backend() == "nccl" else tensor.clone()
+    # gloo writes partial sums into the buffers of other members: they reduce a copy.
+    buffer = tensor if get_rank() == dst or c.uses_nccl(tensor) else tensor.clone()
     return _reduce_into(buffer, dst, op, c, async_op)
 
 
@@ -871,8 +946,9 @@ def _reduce_into(buffer: torch.Tensor, dst: int, op: ReduceOp, c: BaguaCommunica
     if get_rank() != dst:
         finishers = []
         _count(_nbytes(buffer))
-    work = dist.reduce(buffer, dst=dst, op=torch_op, group=c.torch_group, async_op=True)
-    return _finish(CommHandle([work], finishers), async_op)
+    st = _Staging(c)
+    work = dist.reduce(st(buffer, write=get_rank() == dst), dst=dst, op=torch_op, group=c.torch_group, async_op=True)
+    return _finish(st.handle([work], finishers), async_op)
 
 
 def allgather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm=None, *, group=None, async_op: bool = False):
@@ -891,9 +967,10 @@ def allgather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm=None, *
             f"{n * send_tensor.numel()} elements for allgather, got {recv_tensor.numel()}"
         )
     _count(_nbytes(send_tensor))
-    work = _all_gather_single(recv_tensor.view(-1), send_tensor.reshape(-1).contiguous(), group=c.torch_group,
-                              async_op=True)
-    return _finish(CommHandle([work]), async_op)
+    st = _Staging(c)
+    work = _all_gather_single(st(recv_tensor.view(-1), read=False, write=True),
+                              st(send_tensor.reshape(-1).contiguous()), group=c.torch_group, async_op=True)
+    return _finish(st.handle([work]), async_op)
 
 
 def allgather_inplace(tensor: torch.Tensor, comm=None, *, group=None, async_op: bool = False):
@@ -910,8 +987,9 @@ def allgather_inplace(tensor: torch.Tensor, comm=None, *, group=None, async_op: 
     count = flat.numel() // n
     mine = flat[c.rank() * count:(c.rank() + 1) * count].clone()
     _count(_nbytes(mine))
-    work = _all_gather_single(flat, mine, group=c.torch_group, async_op=True)
-    return _finish(CommHandle([work]), async_op)
+    st = _Staging(c)
+    work = _all_gather_single(st(flat, read=False, write=True), st(mine), group=c.torch_group, async_op=True)
+    return _finish(st.handle([work]), async_op)
 
 
 def gather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, comm=None, *, group=None,
@@ -934,11 +1012,12 @@ def gather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, comm=
                 f"recv_tensor must have nranks x send_tensor.numel() = {n} x {send_tensor.numel()} = "
                 f"{n * send_tensor.numel()} elements on the dst rank, got {recv_tensor.numel()}"
             )
-    chunks = list(recv_tensor.view(n, -1).unbind(0)) if at_dst else None
+    st = _Staging(c)
+    chunks = list(st(recv_tensor.view(n, -1), read=False, write=True).unbind(0)) if at_dst else None
     if not at_dst:
         _count(_nbytes(send_tensor))
-    work = dist.gather(send_tensor.reshape(-1).contiguous(), chunks, dst=dst, group=c.torch_group, async_op=True)
-    return _finish(CommHandle([work]), async_op)
+    work = dist.gather(st(send_tensor.reshape(-1).contiguous()), chunks, dst=dst, group=c.torch_group, async_op=True)
+    return _finish(st.handle([work]), async_op)
 
 
 def _rooted_inplace(c: BaguaCommunicator, local: bool, tensor: torch.Tensor, count, root, root_name: str):
@@ -965,14 +1044,16 @@ def gather_inplace(tensor: torch.Tensor, count: int, dst: int, comm=None, *, gro
     if not c.is_member():
         return _skip(async_op)
     dst, n, at_dst, flat = _rooted_inplace(c, local, tensor, count, dst, "dst")
+    st = _Staging(c)
     if at_dst:
         me = c.rank()
-        send, chunks = flat[me * count:(me + 1) * count].clone(), list(flat.view(n, count).unbind(0))
+        send = flat[me * count:(me + 1) * count].clone()
+        chunks = list(st(flat.view(n, count), read=False, write=True).unbind(0))
     else:
         send, chunks = flat, None
         _count(_nbytes(send))
-    work = dist.gather(send, chunks, dst=dst, group=c.torch_group, async_op=True)
-    return _finish(CommHandle([work]), async_op)
+    work = dist.gather(st(send), chunks, dst=dst, group=c.torch_group, async_op=True)
+    return _finish(st.handle([work]), async_op)
 
 
 def scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, src: int, comm=None, *, group=None,
@@ -995,11 +1076,13 @@ def scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, src: int, comm
                 f"send_tensor must have nranks x recv_tensor.numel() = {n} x {recv_tensor.numel()} = "
                 f"{n * recv_tensor.numel()} elements on the src rank, got {send_tensor.numel()}"
             )
-    chunks = list(send_tensor.reshape(n, -1).contiguous().unbind(0)) if at_src else None
+    st = _Staging(c)
+    chunks = list(st(send_tensor.reshape(n, -1).contiguous()).unbind(0)) if at_src else None
     if at_src:
         _count(_nbytes(recv_tensor) * (n - 1))
-    work = dist.scatter(recv_tensor.view(-1), chunks, src=src, group=c.torch_group, async_op=True)
-    return _finish(CommHandle([work]), async_op)
+    work = dist.scatter(st(recv_tensor.view(-1), read=False, write=True), chunks, src=src, group=c.torch_group,
+                        async_op=True)
+    return _finish(st.handle([work]), async_op)
 
 
 def scatter_inplace(tensor: torch.Tensor, count: int, src: int, comm=None, *, group=None, async_op: bool = False):
@@ -1010,13 +1093,14 @@ def scatter_inplace(tensor: torch.Tensor, count: int, src: int, comm=None, *, gr
     if not c.is_member():
         return _skip(async_op)
     src, n, at_src, flat = _rooted_inplace(c, local, tensor, count, src, "src")
-    if at_src:
-        out, chunks = torch.empty_like(flat[:count]), list(flat.view(n, count).unbind(0))
+    st = _Staging(c)
+    if at_src:  # its own chunk comes back into a scratch buffer: the share stays in place
+        out, chunks = st(torch.empty_like(flat[:count]), read=False), list(st(flat.view(n, count)).unbind(0))
         _count(_nbytes(out) * (n - 1))
     else:
-        out, chunks = flat, None
+        out, chunks = st(flat, read=False, write=True), None
     work = dist.scatter(out, chunks, src=src, group=c.torch_group, async_op=True)
-    return _finish(CommHandle([work]), async_op)
+    return _finish(st.handle([work]), async_op)
 
 
 def reduce_scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm=None, *,
@@ -1038,9 +1122,11 @@ def reduce_scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: Red
     op = _reduce_op(op, send_tensor)
     torch_op, finishers = _op_and_finish(op, c, recv_tensor)
     _count(_nbytes(recv_tensor) * (n - 1))
-    work = _reduce_scatter_single(recv_tensor.view(-1), send_tensor.reshape(-1).contiguous(), op=torch_op,
-                                  group=c.torch_group, async_op=True)
-    return _finish(CommHandle([work], finishers), async_op)
+    st = _Staging(c)
+    work = _reduce_scatter_single(st(recv_tensor.view(-1), read=False, write=True),
+                                  st(send_tensor.reshape(-1).contiguous()), op=torch_op, group=c.torch_group,
+                                  async_op=True)
+    return _finish(st.handle([work], finishers), async_op)
 
 
 def reduce_scatter_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm=None, *, group=None,
@@ -1062,8 +1148,10 @@ def reduce_scatter_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, co
     torch_op, finishers = _op_and_finish(op, c, out)
     mine = flat[c.rank() * count:(c.rank() + 1) * count]
     _count(_nbytes(out) * (n - 1))
-    work = _reduce_scatter_single(out, flat, op=torch_op, group=c.torch_group, async_op=True)
-    return _finish(CommHandle([work], finishers + [lambda: mine.copy_(out)]), async_op)
+    st = _Staging(c)
+    work = _reduce_scatter_single(st(out, read=False, write=True), st(flat), op=torch_op, group=c.torch_group,
+                                  async_op=True)
+    return _finish(st.handle([work], finishers + [lambda: mine.copy_(out)]), async_op)
 
 
 def alltoall(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm=None, *, group=None, async_op: bool = False):
@@ -1087,8 +1175,10 @@ def alltoall(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm=None, *,
         send = send.clone()
     if n:
         _count(_nbytes(send) // n * (n - 1))
-    work = dist.all_to_all_single(recv_tensor.view(-1), send, group=c.torch_group, async_op=True)
-    return _finish(CommHandle([work]), async_op)
+    st = _Staging(c)
+    work = dist.all_to_all_single(st(recv_tensor.view(-1), read=False, write=True), st(send), group=c.torch_group,
+                                  async_op=True)
+    return _finish(st.handle([work]), async_op)
 
 
 def alltoall_inplace(tensor: torch.Tensor, comm=None, *, group=None, async_op: bool = False):
@@ -1164,9 +1254,10 @@ def _alltoall_v(send, send_counts, send_displs, send_packed, recv, recv_counts, 
         finishers.append(unpack)
     me = c.rank()
     _count(sum(k for j, k in enumerate(send_counts) if j != me) * send_buf.element_size())
-    work = dist.all_to_all_single(recv_buf, send_buf, output_split_sizes=recv_counts, input_split_sizes=send_counts,
-                                  group=c.torch_group, async_op=True)
-    return _finish(CommHandle([work], finishers), async_op)
+    st = _Staging(c)
+    work = dist.all_to_all_single(st(recv_buf, read=False, write=True), st(send_buf), output_split_sizes=recv_counts,
+                                  input_split_sizes=send_counts, group=c.torch_group, async_op=True)
+    return _finish(st.handle([work], finishers), async_op)
 
 
 def barrier(comm=None, *, group=None, async_op: bool = False):
@@ -1188,8 +1279,9 @@ def send(tensor: torch.Tensor, dst: int, comm=None, *, group=None, async_op: boo
     if dst == get_rank():
         raise ValueError(f"dst={dst} is this process's own rank; send to another rank")
     _count(_nbytes(tensor))
-    work = dist.isend(tensor, dst=dst, group=c.torch_group)
-    return _finish(CommHandle([work]), async_op)
+    st = _Staging(c)
+    work = dist.isend(st(tensor), dst=dst, group=c.torch_group)
+    return _finish(st.handle([work]), async_op)
 
 
 def recv(tensor: torch.Tensor, src: int, comm=None, *, group=None, async_op: bool = False):
@@ -1201,8 +1293,9 @@ def recv(tensor: torch.Tensor, src: int, comm=None, *, group=None, async_op: boo
     src = _peer(c, local, src, "src")
     if src == get_rank():
         raise ValueError(f"src={src} is this process's own rank; receive from another rank")
-    work = dist.irecv(tensor, src=src, group=c.torch_group)
-    return _finish(CommHandle([work]), async_op)
+    st = _Staging(c)
+    work = dist.irecv(st(tensor, read=False, write=True), src=src, group=c.torch_group)
+    return _finish(st.handle([work]), async_op)
 
 
 # -------------------------------------------------------------- two-level allreduce
@@ -1305,23 +1398,25 @@ def hierarchical_allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp
     intra, inter = node["intra"], node["private_inter"]
     finishers = [_divider(tensor, get_world_size())] if op == ReduceOp.AVG else []
     _count(_nbytes(tensor) * ((intra.nranks() > 1) + (inter.nranks() > 1)))
+    st = _Staging(intra)
+    buf = st(tensor, write=True)
     if intra.nranks() == 1 or inter.nranks() == 1:
         level = inter if intra.nranks() == 1 else intra
         works = [None if level.nranks() == 1 else
-                 dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=level.torch_group, async_op=True)]
-    elif intra.backend() == "nccl":
-        first = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=intra.torch_group, async_op=True)
+                 dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=level.torch_group, async_op=True)]
+    elif intra.uses_nccl(buf):
+        first = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=intra.torch_group, async_op=True)
         first.wait()  # orders the CUDA streams; the CPU does not block
-        works = [dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=inter.torch_group, async_op=True)]
+        works = [dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=inter.torch_group, async_op=True)]
     else:
-        first = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=intra.torch_group, async_op=True)
+        first = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=intra.torch_group, async_op=True)
 
         def second():
             first.wait()
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=inter.torch_group, async_op=True).wait()
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=inter.torch_group, async_op=True).wait()
 
         works = [_submit(second)]
-    return _finish(CommHandle(works, finishers), async_op)
+    return _finish(st.handle(works, finishers), async_op)
 
 
 # ----------------------------------------------------------------- neighbour exchange
@@ -1337,9 +1432,11 @@ def start_neighbor_exchange(
     ``sends`` and ``recvs`` map a peer's global rank to a tensor (or are lists of
     ``(peer, tensor)`` pairs when a peer gets several tensors; pairs to the same peer
     are matched in posting order). Returns a handle; ``wait()`` blocks until all are
-    done. A pair with this process's own rank is a local copy. On NCCL the step is
-    one ``batch_isend_irecv``; on gloo each send and receive is posted on its own
-    (``irecv`` / ``isend``, receives first, each kind in order).
+    done. A pair with this process's own rank is a local copy. When every tensor is a
+    CUDA tensor of a group with NCCL, the step is one ``batch_isend_irecv`` (NCCL groups
+    its sends and receives, so no order of posting can deadlock); otherwise each send
+    and receive is posted on gloo on its own (``irecv`` / ``isend``, receives first,
+    each kind in order), CUDA tensors staged through host memory.
 
     Why receives first on gloo: measured over bandwidth-limited links, a worker that
     sends to two neighbours and receives from both finished in 1.6–1.75× the time when
@@ -1370,13 +1467,14 @@ def start_neighbor_exchange(
     if not (send_items or recv_items):
         return CommHandle()
     g = c.torch_group
-    if c.backend() == "nccl":
+    if all(c.uses_nccl(t) for _, t in send_items + recv_items):
         ops = [dist.P2POp(dist.isend, t, peer, g) for peer, t in send_items]
         ops += [dist.P2POp(dist.irecv, t, peer, g) for peer, t in recv_items]
         return CommHandle(dist.batch_isend_irecv(ops))
-    works = [dist.irecv(t, src=peer, group=g) for peer, t in recv_items]
-    works += [dist.isend(t, dst=peer, group=g) for peer, t in send_items]
-    return CommHandle(works)
+    st = _Staging(c, force=True)
+    works = [dist.irecv(st(t, read=False, write=True), src=peer, group=g) for peer, t in recv_items]
+    works += [dist.isend(st(t), dst=peer, group=g) for peer, t in send_items]
+    return st.handle(works)
 
 
 def neighbor_exchange(sends, recvs, group=None) -> None:

@@ -32,6 +32,10 @@ Flag translation (Bagua -> torchrun):
 ``--max_restarts K``           ``--max-restarts K`` (extension, default 0)
 ``--rdzv_timeout S``           ``--rdzv-conf timeout=S`` (extension: how long
                                an agent waits for the other nodes)
+``--backend B``                ``BAGUA_ALGOS_BACKEND=B`` for the workers
+                               (extension: auto, gloo or nccl; what
+                               ``init_process_group()`` uses when the script
+                               names no backend)
 Bagua-only flags               accepted, ignored, one notice each on stderr
 =============================  ==============================================
 
@@ -115,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rdzv_timeout", type=int, default=None,
                         help="seconds an agent waits for the other nodes to join "
                         "(torchrun's static rendezvous default: 600)")
+    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default=None,
+                        help="backend of the workers' init_process_group() when the script names none "
+                        "(sets BAGUA_ALGOS_BACKEND): nccl puts each worker on GPU LOCAL_RANK (CUDA tensors "
+                        "over NCCL, CPU tensors over gloo) and needs a GPU per worker; gloo runs on CPU "
+                        "(CUDA tensors staged through host memory); auto (the default) is nccl when CUDA "
+                        "is available, else gloo")
     parser.add_argument("--no_bagua_compat", action="store_true",
                         help="do not put the compatibility package 'bagua' on the "
                         "workers' PYTHONPATH (by default it is put there when no real "
@@ -300,6 +310,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     os.environ["NODE_RANK"] = str(args.node_rank)
     os.environ["MASTER_ADDR"] = args.master_addr
     os.environ["MASTER_PORT"] = str(args.master_port)
+    if args.backend is not None:
+        from bagua_algos.runtime.comm import BACKEND_ENV
+
+        os.environ[BACKEND_ENV] = args.backend
     if not args.no_bagua_compat:
         pythonpath, notice = bagua_compat_pythonpath(os.environ.get("PYTHONPATH"))
         if notice:

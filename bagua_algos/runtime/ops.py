@@ -295,14 +295,14 @@ class DecentralizedSynchronousOp:
             for j, buffer in self._received.items():
                 sends.append((self.peer_ranks[j], x))
                 recvs.append((self.peer_ranks[j], buffer))
-            comm.neighbor_exchange(sends, recvs)
+            comm.neighbor_exchange(sends, recvs, group=self.group)
             x.mul_(self.weights[self.my_index])
             for j, x_j in self._received.items():
                 x.add_(x_j, alpha=self.weights[j])
         elif self.peer_selection_mode == "shift_one":
             peer = self.peer_ranks[shift_one_peer(self.my_index, len(self.peer_ranks), self.step)]
             received = self._received["peer"]
-            comm.neighbor_exchange([(peer, x)], [(peer, received)])
+            comm.neighbor_exchange([(peer, x)], [(peer, received)], group=self.group)
             x.add_(received).mul_(0.5)
         else:
             group = comm.inter_node_group() if self.hierarchical else self.group
@@ -412,7 +412,8 @@ class LowPrecisionDecentralizedSynchronousOp:
                 from_left, from_right = torch.empty_like(mine), torch.empty_like(mine)
                 # Two messages to the same peer when n = 2: they pair up in posting order.
                 comm.neighbor_exchange([(self.left_rank, mine), (self.right_rank, mine)],
-                                       [(self.left_rank, from_left), (self.right_rank, from_right)])
+                                       [(self.left_rank, from_left), (self.right_rank, from_right)],
+                                       group=self.group)
                 _raise_if_marked(torch.stack([from_left, from_right, mine]), None, "the weights",
                                  peers=[self.left_rank, self.right_rank, comm.get_rank()])
                 left.add_(minmax.decode(from_left).to(left.dtype))
@@ -421,6 +422,39 @@ class LowPrecisionDecentralizedSynchronousOp:
                 _raise_if_marked(mine.view(1, -1), None, "the weights", peers=[comm.get_rank()])
             w.add_(minmax.decode(mine).to(w.dtype))
             x.copy_(w)
+
+
+class _WeightLock:
+    """A host lock whose hand-over also orders the CUDA work of the two threads.
+
+    The training thread queues its steps on its stream and the communication thread its
+    rounds on another; holding a ``threading.Lock`` orders only when they are *queued*.
+    So each release records an event on the releasing thread's current stream, and the
+    next holder's stream waits for it before touching the weights: on the GPU, too, a
+    round never overlaps a step (the host never blocks on the GPU for it)."""
+
+    def __init__(self, device: torch.device):
+        self._lock = threading.Lock()
+        self._device = device
+        self._released = None  # torch.cuda.Event of the last release (CUDA only)
+
+    def acquire(self) -> None:
+        self._lock.acquire()
+        if self._released is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._released)
+
+    def release(self) -> None:
+        if self._device.type == "cuda":
+            self._released = torch.cuda.Event()
+            self._released.record(torch.cuda.current_stream(self._device))
+        self._lock.release()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 class AsyncModelAverageOp:
@@ -439,7 +473,7 @@ class AsyncModelAverageOp:
             raise ValueError(f"the asynchronous model average supports peer_selection_mode='all' only, got {peer_selection_mode!r}")
         self.peer_selection_mode = peer_selection_mode
         self.group = group
-        self._lock = threading.Lock()
+        self._lock = _WeightLock(bucket.device)
         self._locked = False
         self._abort_requested = False
         self._stopped = False

@@ -36,6 +36,10 @@ ALGORITHMS = [
     "decentralized_ring", "relay_chain", "relay_double_binary_tree", "powersgd", "terngrad", "bytegrad",
     "low_precision_decentralized", "qadam",
 ]
+# Quantized messages: CUDA's fused multiply-add can round a value to the other side of a
+# quantization boundary, and that one entry then moves by a whole level (bytes otherwise
+# equal), so these are compared at the size of a level rather than of a float rounding.
+QUANTIZED = {"terngrad": 5e-3, "bytegrad": 1e-3, "low_precision_decentralized": 1e-3, "qadam": 1e-3}
 # With one worker a ring or a tree has no neighbour: those are left to the multi-worker runs.
 ONE_WORKER = [a for a in ALGORITHMS if a not in ("decentralized_ring", "relay_double_binary_tree")]
 
@@ -115,7 +119,8 @@ def _assert_cpu_equals_cuda(results, names):
     for rank, out in enumerate(results):
         for name in names:
             cpu, cuda = out[name]
-            torch.testing.assert_close(cuda, cpu, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}, rank {rank}: {m}")
+            torch.testing.assert_close(cuda, cpu, atol=QUANTIZED.get(name, 1e-5), rtol=1e-4,
+                                       msg=lambda m: f"{name}, rank {rank}: {m}")
     for device in (0, 1):  # abort() ends with a synchronous average: equal models
         for out in results[1:]:
             torch.testing.assert_close(out["async"][device], results[0]["async"][device])
@@ -176,5 +181,5 @@ def test_every_algorithm_on_nccl_equals_the_gloo_cpu_run():
     on_gpus = run_workers(_train_all, n, "cuda", backend="nccl", timeout=300)
     for rank, (cpu, gpu) in enumerate(zip(on_cpu, on_gpus)):
         for name in ALGORITHMS:
-            torch.testing.assert_close(gpu[name], cpu[name], atol=1e-5, rtol=1e-4,
+            torch.testing.assert_close(gpu[name], cpu[name], atol=QUANTIZED.get(name, 1e-5), rtol=1e-4,
                                        msg=lambda m: f"{name}, rank {rank}: {m}")

@@ -841,10 +841,16 @@ class _Staging:
         self._force = force
         self._copy_back = []
 
+    def needs_host(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` must go through host memory for this call."""
+        return t.is_cuda and (self._force or not self._c.uses_nccl(t))
+
     def __call__(self, t: torch.Tensor, *, read: bool = True, write: bool = False) -> torch.Tensor:
-        if not t.is_cuda or (not self._force and self._c.uses_nccl(t)):
+        """``t`` itself, or its host copy (holding ``t``'s values if ``read``; copied
+        back into ``t`` on completion if ``write``)."""
+        if not self.needs_host(t):
             return t
-        host = t.detach().to("cpu") if read else torch.empty(t.shape, dtype=t.dtype)
+        host = t.detach().to("cpu", copy=True) if read else torch.empty(t.shape, dtype=t.dtype)
         if write:
             self._copy_back.append(lambda: t.copy_(host))
         return host

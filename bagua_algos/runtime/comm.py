@@ -767,8 +767,8 @@ def _op_and_finish(op: ReduceOp, c: BaguaCommunicator, out: torch.Tensor):
     """The torch op to run and the finishers that complete ``op`` on ``out``."""
     if op != ReduceOp.AVG:
         return _TORCH_OPS[op], []
-    if c.uses_nccl(out):
-        return dist.ReduceOp.AVG, []
+    if c.uses_nccl(out) and (out.is_floating_point() or out.is_complex()):
+        return dist.ReduceOp.AVG, []  # NCCL's own; its integer AVG truncates, Bagua's floors
     return dist.ReduceOp.SUM, [_divider(out, c.nranks())]
 
 

@@ -22,6 +22,7 @@ import traceback
 import zlib
 from datetime import timedelta
 
+import numpy as np
 import pytest
 import torch
 
@@ -157,6 +158,11 @@ def _all_collectives(cn: str, obj, device: str = "cpu") -> dict:
         prefix = lambda cs: [sum(cs[:j]) for j in range(n)]  # noqa: E731
         comm.alltoall_v(send, torch.tensor(sc, device=device), prefix(sc), recv, rc, torch.tensor(prefix(rc), device=device), obj)
         out["alltoall_v_packed"] = recv
+        # Bagua's own example: NumPy counts and n + 1 displacements ending with the total
+        send, recv = x("alltoall_v_packed", sum(sc)), zeros(sum(rc), dtype=torch.int64)
+        comm.alltoall_v(send, np.array(sc), np.array(prefix(sc) + [sum(sc)]), recv, np.array(rc),
+                        np.array(prefix(rc) + [sum(rc)]), obj)
+        out["alltoall_v_bagua_displs"] = recv
         counts, displs, size = v_inplace_layout(i, n)
         t = x("alltoall_v_inplace", size)
         comm.alltoall_v_inplace(t, counts, displs, obj)
@@ -260,6 +266,8 @@ def _bad_input(rank, sub) -> dict:
         "scatter_size": lambda: comm.scatter(torch.zeros(7), torch.zeros(2), comm.get_rank()),
         "gather_inplace_size": lambda: comm.gather_inplace(torch.zeros(3), 2, (comm.get_rank() + 1) % N),
         "v_len": lambda: comm.alltoall_v(i64, [1, 1, 1], [0, 1, 2, 3], i64, [1] * 4, [0, 1, 2, 3]),
+        "v_displs_total": lambda: comm.alltoall_v(i64, [1] * 4, [0, 1, 2, 3, 5], i64, [1] * 4, [0, 1, 2, 3]),
+        "v_displs_len": lambda: comm.alltoall_v(i64, [1] * 4, [0, 1, 2, 3, 4, 5], i64, [1] * 4, [0, 1, 2, 3]),
         "v_negative": lambda: comm.alltoall_v(i64, [1, -1, 1, 1], [0, 1, 2, 3], i64, [1] * 4, [0, 1, 2, 3]),
         "v_not_int": lambda: comm.alltoall_v(i64, [1, 1.5, 1, 1], [0, 1, 2, 3], i64, [1] * 4, [0, 1, 2, 3]),
         "v_overflow": lambda: comm.alltoall_v(i64, [1, 1, 1, 3], [0, 1, 2, 6], i64, [1] * 4, [0, 1, 2, 3]),
@@ -379,7 +387,7 @@ def _expected(cn: str, members: list[int], i: int) -> dict:
         start = sum(sc_j[:i])
         packed.append(x("alltoall_v_packed", r, sum(sc_j))[start:start + sc_j[i]])
     e["alltoall_v"] = recv
-    e["alltoall_v_packed"] = torch.cat(packed)
+    e["alltoall_v_packed"] = e["alltoall_v_bagua_displs"] = torch.cat(packed)
     counts, displs, size = v_inplace_layout(i, n)
     t = x("alltoall_v_inplace", me, size)
     for j, r in enumerate(members):
@@ -485,6 +493,8 @@ def test_bad_input_is_a_clear_value_error(four_workers):
         "scatter_size": "send_tensor must have nranks x recv_tensor.numel() = 4 x 2 = 8 elements on the src rank",
         "gather_inplace_size": "tensor must have count = 2 elements on this rank, got 3",
         "v_len": "send_counts must have one entry per rank of the communicator (4), got 3",
+        "v_displs_total": "send_displs has 5 entries, so its last must be the total of the counts (4)",
+        "v_displs_len": "send_displs must have one entry per rank of the communicator (4) (or 5, the last being the total",
         "v_negative": "send_counts[1] must be a non-negative integer, got -1",
         "v_not_int": "send_counts[1] must be a non-negative integer, got 1.5",
         "v_overflow": "send_displs[3] + send_counts[3] = 6 + 3 = 9 exceeds send_tensor.numel() = 8",

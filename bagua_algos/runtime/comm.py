@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import atexit
 import enum
+import numbers
 import os
 import queue
 import threading
@@ -778,20 +779,32 @@ def _divider(t: torch.Tensor, size: int):
     return lambda: t.div_(size, rounding_mode="floor")
 
 
-def _counts(name: str, value, n: int) -> list[int]:
-    if isinstance(value, torch.Tensor):
+def _counts(name: str, value, n: int, total: int | None = None) -> list[int]:
+    """``value`` (a sequence, tensor or NumPy array of non-negative integers, one per
+    rank) as a list. Displacements pass ``total`` = the sum of their counts: like Bagua,
+    they may then also have n + 1 entries, the last being that total (the offsets of an
+    MPI-style prefix sum); it is dropped."""
+    if hasattr(value, "tolist"):  # torch.Tensor, numpy.ndarray
         value = value.tolist()
     try:
         items = list(value)
     except TypeError:
         raise ValueError(f"{name} must be a sequence of {n} non-negative integers (one per rank), got {value!r}") from None
-    if len(items) != n:
-        raise ValueError(f"{name} must have one entry per rank of the communicator ({n}), got {len(items)}")
     out = []
     for i, v in enumerate(items):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
             raise ValueError(f"{name}[{i}] must be a non-negative integer, got {v!r}")
-        out.append(v)
+        out.append(int(v))
+    if total is not None and len(out) == n + 1:
+        if out[n] != total:
+            raise ValueError(
+                f"{name} has {n + 1} entries, so its last must be the total of the counts ({total}) as in "
+                f"Bagua's prefix-sum form, got {out[n]}; or give {n} entries, one per rank"
+            )
+        out = out[:n]
+    if len(out) != n:
+        extra = f" (or {n + 1}, the last being the total of the counts)" if total is not None else ""
+        raise ValueError(f"{name} must have one entry per rank of the communicator ({n}){extra}, got {len(out)}")
     return out
 
 
@@ -1210,9 +1223,9 @@ def alltoall_v(send_tensor: torch.Tensor, send_counts, send_displs, recv_tensor:
     _check_same_dtype("send_tensor", send_tensor, "recv_tensor", recv_tensor)
     n = c.nranks()
     send_counts = _counts("send_counts", send_counts, n)
-    send_displs = _counts("send_displs", send_displs, n)
+    send_displs = _counts("send_displs", send_displs, n, sum(send_counts))
     recv_counts = _counts("recv_counts", recv_counts, n)
-    recv_displs = _counts("recv_displs", recv_displs, n)
+    recv_displs = _counts("recv_displs", recv_displs, n, sum(recv_counts))
     send_packed = _regions("send_counts", send_counts, "send_displs", send_displs, "send_tensor",
                            send_tensor.numel(), disjoint=False)
     recv_packed = _regions("recv_counts", recv_counts, "recv_displs", recv_displs, "recv_tensor",
@@ -1231,7 +1244,7 @@ def alltoall_v_inplace(tensor: torch.Tensor, counts, displs, comm=None, *, group
     _check_tensor("tensor", tensor)
     n = c.nranks()
     counts = _counts("counts", counts, n)
-    displs = _counts("displs", displs, n)
+    displs = _counts("displs", displs, n, sum(counts))
     packed = _regions("counts", counts, "displs", displs, "tensor", tensor.numel(), disjoint=True)
     flat = tensor.view(-1)
     return _alltoall_v(flat, counts, displs, packed, flat, counts, displs, packed, c, async_op, copy_send=True)

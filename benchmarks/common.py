@@ -19,7 +19,7 @@ from pathlib import Path
 # keys of a config that are with_bagua's arguments, not the algorithm's
 WITH_BAGUA_KEYS = ("do_flatten", "bucket_size")
 # keys of a ``qadam`` config that go to its QAdamOptimizer, not to QAdamAlgorithm
-QADAM_OPTIMIZER_KEYS = ("lr", "warmup_steps", "eps", "weight_decay")
+QADAM_OPTIMIZER_KEYS = ("lr", "warmup_steps", "eps", "weight_decay", "variant")
 
 
 class ConfigError(ValueError):

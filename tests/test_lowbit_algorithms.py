@@ -18,7 +18,9 @@ Two spawns run every check (a spawn costs seconds):
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import math
 import sys
 import zlib
 
@@ -294,7 +296,9 @@ def _setup(kind, model):
 
     sgd = lambda: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
     if kind in ("qadam", "idiom_qadam"):
-        opt = A.QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=8)
+        # The frozen variant: Bagua's own update diverges on this run after a warm-up of
+        # 8 steps (its step size keeps growing: test_qadam_optimizer_is_baguas_update).
+        opt = A.QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=8, variant="frozen")
         algo = A.QAdamAlgorithm(opt, hierarchical=False) if kind == "qadam" else idiom.IdiomQAdam(opt, hierarchical=False)
         return algo, opt
     algorithms = {
@@ -412,3 +416,36 @@ def test_the_quantized_algorithms_differ_from_exact_averaging(train_results):
     exact = train_results[0]["gradient_allreduce"]["params"]
     for kind in ("terngrad2", "terngrad2_ef_clip", "terngrad4_nearest", "bytegrad"):
         assert not torch.equal(train_results[0][kind]["params"], exact), kind
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_qadam_optimizer_is_baguas_update_by_default_and_frozen_on_request(weight_decay):
+    """Bagua 0.9.2's QAdamOptimizer.step, written out: m and v follow the gradient while
+    step < warmup_steps; every step x ← x − lr/(1−β1^s) · m/(√v/√(1−β2^s) + eps), with s
+    the step count throughout, and weight_decay is not applied. The frozen variant keeps
+    1−β2^s at the last warm-up step and adds wd·x to the gradient."""
+    from bagua_algos.algorithms import QAdamOptimizer
+
+    lr, (b1, b2), eps, warmup = 0.01, (0.9, 0.999), 1e-8, 4
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(7, generator=g)
+    grads = [torch.randn(7, generator=g) for _ in range(10)]
+    for variant in ("bagua", "frozen"):
+        p = torch.nn.Parameter(x0.clone())
+        with pytest.warns(UserWarning, match="does not apply the weight decay") if (
+                variant == "bagua" and weight_decay) else contextlib.nullcontext():
+            kwargs = {} if variant == "bagua" else {"variant": "frozen"}
+            opt = QAdamOptimizer([p], lr=lr, warmup_steps=warmup, weight_decay=weight_decay, **kwargs)
+        x, m, v = x0.clone().double(), torch.zeros(7, dtype=torch.float64), torch.zeros(7, dtype=torch.float64)
+        for s, grad in enumerate(grads, start=1):
+            p.grad = grad.clone()
+            opt.step()
+            gd = grad.double() + (weight_decay * x if variant == "frozen" else 0)
+            if s < warmup:
+                m, v = b1 * m + (1 - b1) * gd, b2 * v + (1 - b2) * gd * gd
+            v_step = s if variant == "bagua" else min(s, warmup - 1)
+            x = x - lr / (1 - b1 ** s) * m / (v.sqrt() / math.sqrt(1 - b2 ** v_step) + eps)
+            torch.testing.assert_close(p.detach().double(), x, rtol=1e-5, atol=1e-6,
+                                       msg=lambda msg: f"{variant}, step {s}: {msg}")
+    with pytest.raises(ValueError, match=r"variant must be one of \['bagua', 'frozen'\], got 'other'"):
+        QAdamOptimizer([torch.nn.Parameter(torch.zeros(2))], variant="other")

@@ -4,14 +4,23 @@ Two phases, switched once the optimizer has taken ``warmup_steps`` steps:
 
 - warm-up (step s < warmup_steps): the gradients are averaged exactly (allreduce) and
   :class:`QAdamOptimizer` is Adam: m ← β1 m + (1−β1) g, v ← β2 v + (1−β2) g²,
-  x ← x − lr/(1−β1^s) · m / (√(v/(1−β2^s)) + eps), with g = ḡ + wd·x;
-- compression (s ≥ warmup_steps): v is frozen, and so is v̂ = v/(1−β2^s) (its bias
-  correction stays at the last warm-up step; Bagua 0.9.2 keeps raising 1−β2^s, which
-  shrinks v̂ and so grows the step size without bound: with a short warm-up training
-  diverges); each worker updates its momentum with
-  its *local* gradient, m_i ← β1 m + (1−β1)(g_i + wd·x), and the momenta are averaged
-  through Bagua's MinMaxUInt8 scatter-gather (8 bits), m ← ≈ (1/n) Σ_i m_i; the
-  optimizer then applies the same Adam update with that m.
+  x ← x − lr/(1−β1^s) · m / (√(v/(1−β2^s)) + eps);
+- compression (s ≥ warmup_steps): v is frozen; each worker updates its momentum with
+  its *local* gradient, m_i ← β1 m + (1−β1) g_i, and the momenta are averaged through
+  Bagua's MinMaxUInt8 scatter-gather (8 bits), m ← ≈ (1/n) Σ_i m_i; the optimizer then
+  applies the same Adam update with that m.
+
+``variant`` chooses between two updates:
+
+- ``"bagua"`` (the default): Bagua 0.9.2's update, number for number: the bias
+  correction 1−β2^s keeps following the step count after the warm-up, and
+  ``weight_decay`` is accepted but not applied (as in Bagua's file; a warning says so).
+- ``"frozen"``: v̂ = v/(1−β2^s) is frozen with v, its bias correction staying at the
+  last warm-up step, and ``weight_decay`` is applied as an L2 term, g ← g + wd·x. With
+  Bagua's update 1−β2^s keeps growing towards 1 after a short warm-up, so v̂ shrinks and
+  the step grows by up to 1/√(1−β2^W) (×7 after W = 20 steps at β2 = 0.999); the frozen
+  form keeps Adam's step size (docs/benchmarks.md, "QAdam: Bagua's update and the
+  frozen one").
 
 As in Bagua 0.9, the algorithm rebuilds its buckets when the switch happens
 (``need_reset``): in warm-up the Bagua tensors are the parameters with the gradient as
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from typing import Tuple
 
 import torch
@@ -61,11 +71,18 @@ class QAdamOptimizer(Optimizer):
             Bagua accepts 1, which leaves v at zero).
         betas: (β1, β2), each in [0, 1).
         eps: added to the denominator (>= 0).
-        weight_decay: L2 penalty added to the gradient (>= 0).
+        weight_decay: L2 penalty added to the gradient (>= 0); applied by the
+            ``"frozen"`` variant only, as Bagua's own optimizer does not apply it.
+        variant: ``"bagua"`` (Bagua 0.9.2's update, the default) or ``"frozen"`` (v̂
+            and its bias correction frozen after the warm-up; weight decay applied):
+            see the module's documentation.
     """
 
+    VARIANTS = ("bagua", "frozen")
+
     def __init__(self, params, lr: float = 1e-3, warmup_steps: int = 100,
-                 betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
+                 betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 variant: str = "bagua"):
         _check_real("lr", lr, 0.0)
         _check_real("eps", eps, 0.0)
         _check_real("weight_decay", weight_decay, 0.0)
@@ -78,9 +95,20 @@ class QAdamOptimizer(Optimizer):
                 f"warmup_steps must be an int >= 2 (v is estimated on steps 1 .. warmup_steps - 1 only; "
                 f"with fewer Adam would divide by eps), got {warmup_steps!r}"
             )
+        if variant not in self.VARIANTS:
+            raise ValueError(f"variant must be one of {list(self.VARIANTS)}, got {variant!r}")
+        if variant == "bagua" and weight_decay > 0:
+            warnings.warn(
+                f"QAdamOptimizer(weight_decay={weight_decay}) with variant='bagua' does not apply the weight decay, "
+                "as Bagua 0.9's QAdamOptimizer does not; pass variant='frozen' to apply it", UserWarning, stacklevel=2)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.warmup_steps = warmup_steps
+        self.variant = variant
+
+    def _decay(self, group) -> float:
+        """The L2 coefficient actually applied to this group's gradients."""
+        return group["weight_decay"] if self.variant == "frozen" else 0.0
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -89,7 +117,7 @@ class QAdamOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], self._decay(group)
             for param in group["params"]:
                 if param.grad is None:
                     continue
@@ -104,10 +132,10 @@ class QAdamOptimizer(Optimizer):
                     grad = param.grad if wd == 0 else param.grad.add(param, alpha=wd)
                     state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
                     state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                # After the warm-up exp_avg is the compressed average the algorithm made,
-                # and v̂ stays what it was at the last update (v frozen, its bias
-                # correction too).
-                v_step = min(step, self.warmup_steps - 1)
+                # After the warm-up exp_avg is the compressed average the algorithm made
+                # and v is frozen; "frozen" freezes v̂ too (its bias correction stays at
+                # the last update), Bagua's keeps correcting by the step count.
+                v_step = min(step, self.warmup_steps - 1) if self.variant == "frozen" else step
                 denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** v_step)).add_(eps)
                 param.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
         return loss
@@ -180,11 +208,12 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
             return
 
         def calculate_momentum(bucket_name):
-            # m_i ← β1 m + (1 − β1)(g_i + wd·x), the worker's own momentum, then averaged.
+            # m_i ← β1 m + (1 − β1)(g_i + wd·x), the worker's own momentum, then averaged
+            # (wd = 0 in Bagua's variant).
             with torch.no_grad():
                 for tensor in bucket.tensors:
                     group = self._group_of[id(tensor)]
-                    beta1, wd = group["betas"][0], group["weight_decay"]
+                    beta1, wd = group["betas"][0], self.optimizer._decay(group)
                     grad = tensor.grad if wd == 0 else tensor.grad.add(tensor, alpha=wd)
                     tensor.bagua_getter_closure().mul_(beta1).add_(grad, alpha=1 - beta1)
 

@@ -763,3 +763,22 @@ def test_launcher_backend_flag_sets_the_workers_default(monkeypatch):
     assert launch.parse_args(["train.py"]).backend is None
     with pytest.raises(SystemExit):
         launch.parse_args(["--backend", "mpi", "train.py"])
+
+
+def test_only_the_comm_package_calls_torch_distributed():
+    """The rule of the runtime: communication goes through bagua_algos.runtime.comm (the
+    launcher imports torch.distributed.run, the agent, which is not communication)."""
+    import ast
+
+    root = REPO / "bagua_algos"
+    allowed = {root / "runtime" / "launch.py"}
+    offenders = []
+    for path in root.rglob("*.py"):
+        if (root / "runtime" / "comm") in path.parents or path in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
+                offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not offenders, offenders

@@ -1,0 +1,132 @@
+"""Argument checks of the collectives: the communicator and rank arguments, tensors,
+reduction operators, counts and displacements (one rule for each kind)."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+import torch.distributed as dist
+
+from .env import _require_init
+from .groups import BaguaCommunicator, _as_communicator
+from .reduce_op import _BITWISE_OPS, _TORCH_OPS, ReduceOp
+
+
+def _target(comm, group, what: str) -> tuple[BaguaCommunicator, bool]:
+    """(communicator, whether rank arguments are ranks inside it)."""
+    _require_init(f"{what}()")
+    if comm is not None and group is not None:
+        raise ValueError(f"{what}(): pass comm= or group=, not both")
+    if group is not None:
+        return _as_communicator(group), False
+    return _as_communicator(comm), True
+
+
+def _peer(c: BaguaCommunicator, local: bool, rank, what: str) -> int:
+    """The global rank meant by rank argument ``what``."""
+    if local:
+        return c.global_rank(rank, what)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank not in c.ranks:
+        raise ValueError(
+            f"{what}={rank!r} is not a member of the group: with group= it is a global rank, one of {c.ranks}"
+        )
+    return rank
+
+
+def _check_tensor(name: str, t, contiguous: bool = True) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() on it), got strides {t.stride()}")
+
+
+def _check_same_dtype(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> None:
+    if a.dtype != b.dtype:
+        raise ValueError(f"{b_name} has dtype {b.dtype} but {a_name} has dtype {a.dtype}; they must match")
+
+
+def _reduce_op(op, tensor: torch.Tensor) -> ReduceOp:
+    names = ", ".join(f"ReduceOp.{o.name}" for o in ReduceOp)
+    if isinstance(op, ReduceOp):
+        pass
+    elif isinstance(op, int) and not isinstance(op, bool):
+        try:
+            op = ReduceOp(op)
+        except ValueError:
+            raise ValueError(f"op must be one of {names}, got {op!r}") from None
+    elif getattr(op, "name", None) in ReduceOp.__members__:  # torch.distributed.ReduceOp.X
+        op = ReduceOp[op.name]
+    else:
+        raise ValueError(f"op must be one of {names}, got {op!r}")
+    if op in _BITWISE_OPS and (tensor.is_floating_point() or tensor.is_complex()):
+        raise ValueError(f"op=ReduceOp.{op.name} needs an integer or bool tensor, got dtype {tensor.dtype}")
+    return op
+
+
+def _op_and_finish(op: ReduceOp, c: BaguaCommunicator, out: torch.Tensor):
+    """The torch op to run and the finishers that complete ``op`` on ``out``."""
+    if op != ReduceOp.AVG:
+        return _TORCH_OPS[op], []
+    if c.uses_nccl(out) and (out.is_floating_point() or out.is_complex()):
+        return dist.ReduceOp.AVG, []  # NCCL's own; its integer AVG truncates, Bagua's floors
+    return dist.ReduceOp.SUM, [_divider(out, c.nranks())]
+
+
+def _divider(t: torch.Tensor, size: int):
+    if t.is_floating_point() or t.is_complex():
+        return lambda: t.div_(size)
+    return lambda: t.div_(size, rounding_mode="floor")
+
+
+def _counts(name: str, value, n: int, total: int | None = None) -> list[int]:
+    """``value`` (a sequence, tensor or NumPy array of non-negative integers, one per
+    rank) as a list. Displacements pass ``total`` = the sum of their counts: like Bagua,
+    they may then also have n + 1 entries, the last being that total (the offsets of an
+    MPI-style prefix sum); it is dropped."""
+    if hasattr(value, "tolist"):  # torch.Tensor, numpy.ndarray
+        value = value.tolist()
+    try:
+        items = list(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a sequence of {n} non-negative integers (one per rank), got {value!r}") from None
+    out = []
+    for i, v in enumerate(items):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+            raise ValueError(f"{name}[{i}] must be a non-negative integer, got {v!r}")
+        out.append(int(v))
+    if total is not None and len(out) == n + 1:
+        if out[n] != total:
+            raise ValueError(
+                f"{name} has {n + 1} entries, so its last must be the total of the counts ({total}) as in "
+                f"Bagua's prefix-sum form, got {out[n]}; or give {n} entries, one per rank"
+            )
+        out = out[:n]
+    if len(out) != n:
+        extra = f" (or {n + 1}, the last being the total of the counts)" if total is not None else ""
+        raise ValueError(f"{name} must have one entry per rank of the communicator ({n}){extra}, got {len(out)}")
+    return out
+
+
+def _regions(counts_name: str, counts: list[int], displs_name: str, displs: list[int], tensor_name: str, numel: int,
+             disjoint: bool) -> bool:
+    """Check that the regions fit in the tensor; True if they are packed in rank order from 0."""
+    for i, (c, d) in enumerate(zip(counts, displs)):
+        if d + c > numel:
+            raise ValueError(
+                f"{displs_name}[{i}] + {counts_name}[{i}] = {d} + {c} = {d + c} exceeds {tensor_name}.numel() = {numel}"
+            )
+    if disjoint:
+        spans = sorted((d, d + c, i) for i, (c, d) in enumerate(zip(counts, displs)) if c)
+        for (s0, e0, i0), (s1, _, i1) in zip(spans, spans[1:]):
+            if s1 < e0:
+                raise ValueError(
+                    f"{tensor_name} regions of ranks {i0} and {i1} overlap ({displs_name}, {counts_name}); "
+                    "every rank's region must be distinct"
+                )
+    offset = 0
+    for c, d in zip(counts, displs):
+        if c and d != offset:
+            return False
+        offset += c
+    return True

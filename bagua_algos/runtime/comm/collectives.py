@@ -1,0 +1,465 @@
+"""The collectives and point-to-point calls with Bagua's names and signatures."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .checks import (_check_same_dtype, _check_tensor, _counts, _op_and_finish, _peer, _reduce_op, _regions,
+                     _target)
+from .counter import _count, _nbytes
+from .env import get_rank
+from .groups import BaguaCommunicator
+from .handle import CommHandle, _finish, _skip
+from .reduce_op import ReduceOp
+from .staging import _Staging
+
+
+# torch 2.14 renamed the *_tensor collectives to *_single (and warns on the old names).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm=None, *, group=None,
+                      async_op: bool = False):
+    """``tensor`` ← reduction over the communicator of every member's ``tensor``."""
+    c, _ = _target(comm, group, "allreduce_inplace")
+    if not c.is_member():
+        return _skip(async_op)
+    _check_tensor("tensor", tensor)
+    op = _reduce_op(op, tensor)
+    torch_op, finishers = _op_and_finish(op, c, tensor)
+    _count(_nbytes(tensor))
+    st = _Staging(c)
+    work = dist.all_reduce(st(tensor, write=True), op=torch_op, group=c.torch_group, async_op=True)
+    return _finish(st.handle([work], finishers), async_op)
+
+
+def allreduce(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm=None, *,
+              group=None, async_op: bool = False):
+    """``recv_tensor`` ← reduction of every member's ``send_tensor``; ``send_tensor`` is kept."""
+    c, _ = _target(comm, group, "allreduce")
+    if not c.is_member():
+        return _skip(async_op)
+    _check_tensor("send_tensor", send_tensor, contiguous=False)
+    _check_tensor("recv_tensor", recv_tensor)
+    if recv_tensor.shape != send_tensor.shape:
+        raise ValueError(
+            f"recv_tensor shape {tuple(recv_tensor.shape)} differs from send_tensor shape {tuple(send_tensor.shape)}"
+        )
+    _check_same_dtype("send_tensor", send_tensor, "recv_tensor", recv_tensor)
+    op = _reduce_op(op, send_tensor)
+    if recv_tensor.data_ptr() != send_tensor.data_ptr():
+        recv_tensor.copy_(send_tensor)
+    return allreduce_inplace(recv_tensor, op, group=c, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, comm=None, *, group=None, async_op: bool = False):
+    """Every member's ``tensor`` ← ``tensor`` of rank ``src`` (see the module's note on ranks)."""
+    c, local = _target(comm, group, "broadcast")
+    if not c.is_member():
+        return _skip(async_op)
+    _check_tensor("tensor", tensor)
+    src = _peer(c, local, src, "src")
+    if get_rank() == src:
+        _count(_nbytes(tensor))
+    st = _Staging(c)
+    work = dist.broadcast(st(tensor, write=get_rank() != src), src=src, group=c.torch_group, async_op=True)
+    return _finish(st.handle([work]), async_op)
+
+
+def reduce(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, comm=None,
+           *, group=None, async_op: bool = False):
+    """``recv_tensor`` of rank ``dst`` ← reduction of every member's ``send_tensor``.
+    ``send_tensor`` is kept everywhere; other members' ``recv_tensor`` is untouched."""
+    c, local = _target(comm, group, "reduce")
+    if not c.is_member():
+        return _skip(async_op)
+    _check_tensor("send_tensor", send_tensor, contiguous=False)
+    _check_tensor("recv_tensor", recv_tensor)
+    if recv_tensor.numel() != send_tensor.numel():
+        raise ValueError(
+            f"recv_tensor must have as many elements as send_tensor ({send_tensor.numel()}), got {recv_tensor.numel()}"
+        )
+    _check_same_dtype("send_tensor", send_tensor, "recv_tensor", recv_tensor)
+    op = _reduce_op(op, send_tensor)
+    dst = _peer(c, local, dst, "dst")
+    if get_rank() == dst:
+        buffer = recv_tensor
+        if recv_tensor.data_ptr() != send_tensor.data_ptr():
+            recv_tensor.view(-1).copy_(send_tensor.reshape(-1))
+    else:
+        buffer = send_tensor.detach().clone(memory_format=torch.contiguous_format)
+    return _reduce_into(buffer, dst, op, c, async_op)
+
+
+def reduce_inplace(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, comm=None, *, group=None,
+                   async_op: bool = False):
+    """``tensor`` of rank ``dst`` ← reduction of every member's ``tensor``; the other
+    members' ``tensor`` is left unchanged."""
+    c, local = _target(comm, group, "reduce_inplace")
+    if not c.is_member():
+        return _skip(async_op)
+    _check_tensor("tensor", tensor)
+    op = _reduce_op(op, tensor)
+    dst = _peer(c, local, dst, "dst")
+    # gloo writes partial sums into the buffers of other members: they reduce a copy.
+    buffer = tensor if get_rank() == dst or c.uses_nccl(tensor) else tensor.clone()
+    return _reduce_into(buffer, dst, op, c, async_op)
+
+
+def _reduce_into(buffer: torch.Tensor, dst: int, op: ReduceOp, c: BaguaCommunicator, async_op: bool):
+    torch_op, finishers = _op_and_finish(op, c, buffer)
+    if get_rank() != dst:
+        finishers = []
+        _count(_nbytes(buffer))
+    st = _Staging(c)
+    work = dist.reduce(st(buffer, write=get_rank() == dst), dst=dst, op=torch_op, group=c.torch_group, async_op=True)
+    return _finish(st.handle([work], finishers), async_op)
+
+
+def allgather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm=None, *, group=None, async_op: bool = False):
+    """``recv_tensor`` (nranks × ``send_tensor.numel()`` elements) ← every member's
+    ``send_tensor``, in communicator-rank order."""
+    c, _ = _target(comm, group, "allgather")
+    if not c.is_member():
+        return _skip(async_op)
+    _check_tensor("send_tensor", send_tensor, contiguous=False)
+    _check_tensor("recv_tensor", recv_tensor)
+    _check_same_dtype("send_tensor", send_tensor, "recv_tensor", recv_tensor)
+    n = c.nranks()
+    if recv_tensor.numel() != n * send_tensor.numel():
+        raise ValueError(
+            f"recv_tensor must have nranks x send_tensor.numel() = {n} x {send_tensor.numel()} = "
+            f"{n * send_tensor.numel()} elements for allgather, got {recv_tensor.numel()}"
+        )
+    _count(_nbytes(send_tensor))
+    st = _Staging(c)
+    work = _all_gather_single(st(recv_tensor.view(-1), read=False, write=True),
+                              st(send_tensor.reshape(-1).contiguous()), group=c.torch_group, async_op=True)
+    return _finish(st.handle([work]), async_op)
+
+
+def allgather_inplace(tensor: torch.Tensor, comm=None, *, group=None, async_op: bool = False):
+    """In-place :func:`allgather`: ``tensor`` holds nranks equal chunks; each member's
+    chunk at its rank is its input, and all chunks are the output."""
+    c, _ = _target(comm, group, "allgather_inplace")
+    if not c.is_member():
+        return _skip(async_op)
+    _check_tensor("tensor", tensor)
+    n = c.nranks()
+    if n and tensor.numel() % n:
+        raise ValueError(f"tensor.numel() = {tensor.numel()} must be divisible by the number of ranks ({n})")
+    flat = tensor.view(-1)
+    count = flat.numel() // n
+    mine = flat[c.rank() * count:(c.rank() + 1) * count].clone()
+    _count(_nbytes(mine))
+    st = _Staging(c)
+    work = _all_gather_single(st(flat, read=False, write=True), st(mine), group=c.torch_group, async_op=True)
+    return _finish(st.handle([work]), async_op)
+
+
+def gather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, comm=None, *, group=None,
+           async_op: bool = False):
+    """``recv_tensor`` of rank ``dst`` (nranks × ``send_tensor.numel()`` elements) ←
+    every member's ``send_tensor``, in communicator-rank order; ``recv_tensor`` of the
+    other members is not used."""
+    c, local = _target(comm, group, "gather")
+    if not c.is_member():
+        return _skip(async_op)
+    _check_tensor("send_tensor", send_tensor, contiguous=False)
+    dst = _peer(c, local, dst, "dst")
+    n = c.nranks()
+    at_dst = get_rank() == dst
+    if at_dst:
+        _check_tensor("recv_tensor", recv_tensor)
+        _check_same_dtype("send_tensor", send_tensor, "recv_tensor", recv_tensor)
+        if recv_tensor.numel() != n * send_tensor.numel():
+            raise ValueError(
+                f"recv_tensor must have nranks x send_tensor.numel() = {n} x {send_tensor.numel()} = "
+                f"{n * send_tensor.numel()} elements on the dst rank, got {recv_tensor.numel()}"
+            )
+    st = _Staging(c)
+    chunks = list(st(recv_tensor.view(n, -1), read=False, write=True).unbind(0)) if at_dst else None
+    if not at_dst:
+        _count(_nbytes(send_tensor))
+    work = dist.gather(st(send_tensor.reshape(-1).contiguous()), chunks, dst=dst, group=c.torch_group, async_op=True)
+    return _finish(st.handle([work]), async_op)
+
+
+def _rooted_inplace(c: BaguaCommunicator, local: bool, tensor: torch.Tensor, count, root, root_name: str):
+    """Checks of an in-place gather/scatter: ``tensor`` holds nranks × ``count``
+    elements on the root and ``count`` elsewhere. Returns (global root, nranks,
+    whether this is the root, ``tensor`` as 1-D)."""
+    _check_tensor("tensor", tensor)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"count must be a non-negative integer, got {count!r}")
+    root = _peer(c, local, root, root_name)
+    n = c.nranks()
+    at_root = get_rank() == root
+    need = n * count if at_root else count
+    if tensor.numel() != need:
+        where = f"nranks x count = {n} x {count}" if at_root else "count"
+        raise ValueError(f"tensor must have {where} = {need} elements on this rank, got {tensor.numel()}")
+    return root, n, at_root, tensor.view(-1)
+
+
+def gather_inplace(tensor: torch.Tensor, count: int, dst: int, comm=None, *, group=None, async_op: bool = False):
+    """In-place :func:`gather`: on rank ``dst`` ``tensor`` has nranks × ``count``
+    elements, its own input being chunk ``dst``; elsewhere it has ``count`` elements."""
+    c, local = _target(comm, group, "gather_inplace")
+    if not c.is_member():
+        return _skip(async_op)
+    dst, n, at_dst, flat = _rooted_inplace(c, local, tensor, count, dst, "dst")
+    st = _Staging(c)
+    if at_dst:
+        me = c.rank()
+        send = flat[me * count:(me + 1) * count].clone()
+        chunks = list(st(flat.view(n, count), read=False, write=True).unbind(0))
+    else:
+        send, chunks = flat, None
+        _count(_nbytes(send))
+    work = dist.gather(st(send), chunks, dst=dst, group=c.torch_group, async_op=True)
+    return _finish(st.handle([work]), async_op)
+
+
+def scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, src: int, comm=None, *, group=None,
+            async_op: bool = False):
+    """Each member's ``recv_tensor`` ← its chunk (by communicator rank) of rank
+    ``src``'s ``send_tensor`` (nranks × ``recv_tensor.numel()`` elements; not used on
+    the other members)."""
+    c, local = _target(comm, group, "scatter")
+    if not c.is_member():
+        return _skip(async_op)
+    _check_tensor("recv_tensor", recv_tensor)
+    src = _peer(c, local, src, "src")
+    n = c.nranks()
+    at_src = get_rank() == src
+    if at_src:
+        _check_tensor("send_tensor", send_tensor, contiguous=False)
+        _check_same_dtype("recv_tensor", recv_tensor, "send_tensor", send_tensor)
+        if send_tensor.numel() != n * recv_tensor.numel():
+            raise ValueError(
+                f"send_tensor must have nranks x recv_tensor.numel() = {n} x {recv_tensor.numel()} = "
+                f"{n * recv_tensor.numel()} elements on the src rank, got {send_tensor.numel()}"
+            )
+    st = _Staging(c)
+    chunks = list(st(send_tensor.reshape(n, -1).contiguous()).unbind(0)) if at_src else None
+    if at_src:
+        _count(_nbytes(recv_tensor) * (n - 1))
+    work = dist.scatter(st(recv_tensor.view(-1), read=False, write=True), chunks, src=src, group=c.torch_group,
+                        async_op=True)
+    return _finish(st.handle([work]), async_op)
+
+
+def scatter_inplace(tensor: torch.Tensor, count: int, src: int, comm=None, *, group=None, async_op: bool = False):
+    """In-place :func:`scatter`: on rank ``src`` ``tensor`` has nranks × ``count``
+    elements (its own share, chunk ``src``, stays in place); elsewhere it has ``count``
+    elements and receives this member's chunk."""
+    c, local = _target(comm, group, "scatter_inplace")
+    if not c.is_member():
+        return _skip(async_op)
+    src, n, at_src, flat = _rooted_inplace(c, local, tensor, count, src, "src")
+    st = _Staging(c)
+    if at_src:  # its own chunk comes back into a scratch buffer: the share stays in place
+        out, chunks = st(torch.empty_like(flat[:count]), read=False), list(st(flat.view(n, count)).unbind(0))
+        _count(_nbytes(out) * (n - 1))
+    else:
+        out, chunks = st(flat, read=False, write=True), None
+    work = dist.scatter(out, chunks, src=src, group=c.torch_group, async_op=True)
+    return _finish(st.handle([work]), async_op)
+
+
+def reduce_scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm=None, *,
+                   group=None, async_op: bool = False):
+    """Member k's ``recv_tensor`` ← reduction of chunk k of every member's
+    ``send_tensor`` (nranks × ``recv_tensor.numel()`` elements)."""
+    c, _ = _target(comm, group, "reduce_scatter")
+    if not c.is_member():
+        return _skip(async_op)
+    _check_tensor("send_tensor", send_tensor, contiguous=False)
+    _check_tensor("recv_tensor", recv_tensor)
+    _check_same_dtype("send_tensor", send_tensor, "recv_tensor", recv_tensor)
+    n = c.nranks()
+    if send_tensor.numel() != n * recv_tensor.numel():
+        raise ValueError(
+            f"send_tensor must have nranks x recv_tensor.numel() = {n} x {recv_tensor.numel()} = "
+            f"{n * recv_tensor.numel()} elements for reduce_scatter, got {send_tensor.numel()}"
+        )
+    op = _reduce_op(op, send_tensor)
+    torch_op, finishers = _op_and_finish(op, c, recv_tensor)
+    _count(_nbytes(recv_tensor) * (n - 1))
+    st = _Staging(c)
+    work = _reduce_scatter_single(st(recv_tensor.view(-1), read=False, write=True),
+                                  st(send_tensor.reshape(-1).contiguous()), op=torch_op, group=c.torch_group,
+                                  async_op=True)
+    return _finish(st.handle([work], finishers), async_op)
+
+
+def reduce_scatter_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm=None, *, group=None,
+                           async_op: bool = False):
+    """In-place :func:`reduce_scatter`: ``tensor`` holds nranks equal chunks; afterwards
+    member k's chunk k holds the reduction of every member's chunk k (the other chunks
+    are left unchanged)."""
+    c, _ = _target(comm, group, "reduce_scatter_inplace")
+    if not c.is_member():
+        return _skip(async_op)
+    _check_tensor("tensor", tensor)
+    n = c.nranks()
+    if n and tensor.numel() % n:
+        raise ValueError(f"tensor.numel() = {tensor.numel()} must be divisible by the number of ranks ({n})")
+    op = _reduce_op(op, tensor)
+    flat = tensor.view(-1)
+    count = flat.numel() // n
+    out = torch.empty_like(flat[:count])
+    torch_op, finishers = _op_and_finish(op, c, out)
+    mine = flat[c.rank() * count:(c.rank() + 1) * count]
+    _count(_nbytes(out) * (n - 1))
+    st = _Staging(c)
+    work = _reduce_scatter_single(st(out, read=False, write=True), st(flat), op=torch_op, group=c.torch_group,
+                                  async_op=True)
+    return _finish(st.handle([work], finishers + [lambda: mine.copy_(out)]), async_op)
+
+
+def alltoall(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm=None, *, group=None, async_op: bool = False):
+    """Chunk j of member i's ``send_tensor`` → chunk i of member j's ``recv_tensor``
+    (both of nranks equal chunks)."""
+    c, _ = _target(comm, group, "alltoall")
+    if not c.is_member():
+        return _skip(async_op)
+    _check_tensor("send_tensor", send_tensor, contiguous=False)
+    _check_tensor("recv_tensor", recv_tensor)
+    _check_same_dtype("send_tensor", send_tensor, "recv_tensor", recv_tensor)
+    n = c.nranks()
+    if n and send_tensor.numel() % n:
+        raise ValueError(f"send_tensor.numel() = {send_tensor.numel()} must be divisible by the number of ranks ({n})")
+    if recv_tensor.numel() != send_tensor.numel():
+        raise ValueError(
+            f"recv_tensor must have as many elements as send_tensor ({send_tensor.numel()}), got {recv_tensor.numel()}"
+        )
+    send = send_tensor.reshape(-1)
+    if send.data_ptr() == recv_tensor.data_ptr() or not send.is_contiguous():
+        send = send.clone()
+    if n:
+        _count(_nbytes(send) // n * (n - 1))
+    st = _Staging(c)
+    work = dist.all_to_all_single(st(recv_tensor.view(-1), read=False, write=True), st(send), group=c.torch_group,
+                                  async_op=True)
+    return _finish(st.handle([work]), async_op)
+
+
+def alltoall_inplace(tensor: torch.Tensor, comm=None, *, group=None, async_op: bool = False):
+    """In-place :func:`alltoall`."""
+    return alltoall(tensor, tensor, comm, group=group, async_op=async_op)
+
+
+def alltoall_v(send_tensor: torch.Tensor, send_counts, send_displs, recv_tensor: torch.Tensor, recv_counts,
+               recv_displs, comm=None, *, group=None, async_op: bool = False):
+    """All-to-all with a count and a displacement per rank (as MPI_Alltoallv).
+
+    Member i sends the ``send_counts[j]`` elements of ``send_tensor`` (flattened) from
+    offset ``send_displs[j]`` to member j (j a communicator rank), which stores them
+    at offset ``recv_displs[i]`` of its ``recv_tensor``, where ``recv_counts[i]`` must
+    equal member i's ``send_counts[j]`` (that pairing is not checked across ranks).
+    Elements of ``recv_tensor`` outside the receive regions are left unchanged.
+    """
+    c, _ = _target(comm, group, "alltoall_v")
+    if not c.is_member():
+        return _skip(async_op)
+    _check_tensor("send_tensor", send_tensor, contiguous=False)
+    _check_tensor("recv_tensor", recv_tensor)
+    _check_same_dtype("send_tensor", send_tensor, "recv_tensor", recv_tensor)
+    n = c.nranks()
+    send_counts = _counts("send_counts", send_counts, n)
+    send_displs = _counts("send_displs", send_displs, n, sum(send_counts))
+    recv_counts = _counts("recv_counts", recv_counts, n)
+    recv_displs = _counts("recv_displs", recv_displs, n, sum(recv_counts))
+    send_packed = _regions("send_counts", send_counts, "send_displs", send_displs, "send_tensor",
+                           send_tensor.numel(), disjoint=False)
+    recv_packed = _regions("recv_counts", recv_counts, "recv_displs", recv_displs, "recv_tensor",
+                           recv_tensor.numel(), disjoint=True)
+    return _alltoall_v(send_tensor.reshape(-1), send_counts, send_displs, send_packed, recv_tensor.view(-1),
+                       recv_counts, recv_displs, recv_packed, c, async_op)
+
+
+def alltoall_v_inplace(tensor: torch.Tensor, counts, displs, comm=None, *, group=None, async_op: bool = False):
+    """In-place :func:`alltoall_v`: the region ``displs[j]``, ``counts[j]`` of ``tensor``
+    is sent to member j and replaced by what member j sends (so member j's
+    ``counts[i]`` must equal this member's ``counts[j]``)."""
+    c, _ = _target(comm, group, "alltoall_v_inplace")
+    if not c.is_member():
+        return _skip(async_op)
+    _check_tensor("tensor", tensor)
+    n = c.nranks()
+    counts = _counts("counts", counts, n)
+    displs = _counts("displs", displs, n, sum(counts))
+    packed = _regions("counts", counts, "displs", displs, "tensor", tensor.numel(), disjoint=True)
+    flat = tensor.view(-1)
+    return _alltoall_v(flat, counts, displs, packed, flat, counts, displs, packed, c, async_op, copy_send=True)
+
+
+def _alltoall_v(send, send_counts, send_displs, send_packed, recv, recv_counts, recv_displs, recv_packed,
+                c: BaguaCommunicator, async_op: bool, copy_send: bool = False):
+    if send_packed:
+        send_buf = send[:sum(send_counts)]
+        if copy_send or not send_buf.is_contiguous() or send_buf.data_ptr() == recv.data_ptr():
+            send_buf = send_buf.clone()
+    else:
+        send_buf = torch.cat([send[d:d + k] for k, d in zip(send_counts, send_displs)])
+    finishers = []
+    if recv_packed:
+        recv_buf = recv[:sum(recv_counts)]
+    else:
+        recv_buf = torch.empty(sum(recv_counts), dtype=recv.dtype, device=recv.device)
+
+        def unpack():
+            offset = 0
+            for k, d in zip(recv_counts, recv_displs):
+                recv[d:d + k].copy_(recv_buf[offset:offset + k])
+                offset += k
+
+        finishers.append(unpack)
+    me = c.rank()
+    _count(sum(k for j, k in enumerate(send_counts) if j != me) * send_buf.element_size())
+    st = _Staging(c)
+    work = dist.all_to_all_single(st(recv_buf, read=False, write=True), st(send_buf), output_split_sizes=recv_counts,
+                                  input_split_sizes=send_counts, group=c.torch_group, async_op=True)
+    return _finish(st.handle([work], finishers), async_op)
+
+
+def barrier(comm=None, *, group=None, async_op: bool = False):
+    """Block until every member of the communicator has entered ``barrier``."""
+    c, _ = _target(comm, group, "barrier")
+    if not c.is_member():
+        return _skip(async_op)
+    work = dist.barrier(group=c.torch_group, async_op=True)
+    return _finish(CommHandle([work]), async_op)
+
+
+def send(tensor: torch.Tensor, dst: int, comm=None, *, group=None, async_op: bool = False):
+    """Send ``tensor`` to rank ``dst`` (blocking unless ``async_op``)."""
+    c, local = _target(comm, group, "send")
+    if not c.is_member():
+        return _skip(async_op)
+    _check_tensor("tensor", tensor)
+    dst = _peer(c, local, dst, "dst")
+    if dst == get_rank():
+        raise ValueError(f"dst={dst} is this process's own rank; send to another rank")
+    _count(_nbytes(tensor))
+    st = _Staging(c)
+    work = dist.isend(st(tensor), dst=dst, group=c.torch_group)
+    return _finish(st.handle([work]), async_op)
+
+
+def recv(tensor: torch.Tensor, src: int, comm=None, *, group=None, async_op: bool = False):
+    """Receive ``tensor`` from rank ``src`` (blocking unless ``async_op``)."""
+    c, local = _target(comm, group, "recv")
+    if not c.is_member():
+        return _skip(async_op)
+    _check_tensor("tensor", tensor)
+    src = _peer(c, local, src, "src")
+    if src == get_rank():
+        raise ValueError(f"src={src} is this process's own rank; receive from another rank")
+    st = _Staging(c)
+    work = dist.irecv(st(tensor, read=False, write=True), src=src, group=c.torch_group)
+    return _finish(st.handle([work]), async_op)

@@ -9,6 +9,7 @@ no C++ compiler."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import warnings
@@ -223,6 +224,110 @@ def test_compiled_module_checks_its_inputs_too(cpu_ext):
         module.orthogonalize([torch.randn(3, 2)], -1.0)
 
 
+BAD_MATRICES = [
+    ([torch.randn(2, 3)], r"matrices\[0\] must have no more columns than rows"),
+    ([torch.randn(3, 2), torch.randn(3)], r"matrices\[1\] must be a 2-D tensor"),
+    ([torch.randn(3, 2), torch.randn(4, 3, 2)], r"matrices\[1\] must be a 2-D tensor"),
+    ([torch.ones(3, 2, dtype=torch.int64)], r"matrices\[0\] must be float32"),
+    ([torch.randn(3, 2), torch.randn(3, 2, dtype=torch.complex64)], r"matrices\[1\] must be float32"),
+]
+BAD_BATCHES = [
+    ([torch.randn(2, 2, 3)], r"batches\[0\] must have no more columns than rows"),
+    ([torch.randn(1, 3, 2), torch.randn(3, 2)], r"batches\[1\] must be a 3-D tensor"),
+    ([torch.ones(1, 3, 2, dtype=torch.int32)], r"batches\[0\] must be float32"),
+]
+
+
+def _message(call) -> str:
+    with pytest.raises(ValueError) as info:
+        call()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("bad, match", BAD_MATRICES + BAD_BATCHES)
+def test_python_and_compiled_checks_say_the_same(cpu_ext, bad, match):
+    """Issue 17: one check in C++ (bindings.cpp, before dispatch, for every device) and
+    the same words in Python (run first for GPU tensors): the same ValueError."""
+    module = _loader.load("cpu")
+    if "batches" in match:
+        compiled = _message(lambda: module.orthogonalize_batches_(bad, 1e-8))
+        python = _message(lambda: cuda_ext._check_tensors(bad, "batches", 3))
+        public = _message(lambda: cuda_ext.orthogonalize_batches_(bad))
+    else:
+        compiled = _message(lambda: module.orthogonalize(bad, 1e-8))
+        python = _message(lambda: cuda_ext._check_matrices(bad))
+        public = _message(lambda: cuda_ext.orthogonalize(bad))
+    assert compiled == python == public
+    assert re.match(match, compiled), compiled
+
+
+def test_batches_in_place_match_the_list_call_bitwise(cpu_ext):
+    g = torch.Generator().manual_seed(40)
+    batches = [torch.randn(3, 64, 4, generator=g), torch.randn(2, 9, 9, generator=g, dtype=torch.float64),
+               torch.randn(1, 33, 1, generator=g), torch.zeros(0, 5, 2), torch.randn(2, 20, 3, generator=g).half()]
+    expected = [torch.stack(cpu_ext(list(b.unbind(0)))) if b.shape[0] else b.clone() for b in batches]
+    flat = torch.randn(200, 8, generator=g)
+    before = flat.clone()
+    strided = flat[:96].view(3, 32, 8)[:, :, ::2]  # non-contiguous columns, written through
+    expected.append(torch.stack(cpu_ext(list(strided.unbind(0)))))
+    batches.append(strided)
+    assert cuda_ext.orthogonalize_batches_(batches) is not None
+    for got, want in zip(batches, expected):
+        assert torch.equal(got, want)
+    untouched = before[:96].view(3, 32, 8)[:, :, 1::2]
+    assert torch.equal(flat[:96].view(3, 32, 8)[:, :, 1::2], untouched) and torch.equal(flat[96:], before[96:])
+
+
+def test_batches_that_share_memory_are_refused(cpu_ext):
+    base = torch.randn(4, 5, 2)
+    with pytest.raises(ValueError, match=r"batches\[0\] has elements that share memory"):
+        cuda_ext.orthogonalize_batches_([torch.randn(5, 2).expand(3, 5, 2)])
+    with pytest.raises(ValueError, match=r"batches\[1\] and batches\[0\] share memory"):
+        cuda_ext.orthogonalize_batches_([base[:2], base[1:]])
+
+
+def test_cuda_module_refuses_bad_input_with_the_cpu_words(cuda_ext_fn, cpu_ext, tmp_path):
+    """Issue 17: on a GPU the CUDA module refused nothing (the process crashed on r > m
+    or a 1-D tensor). In a child process, so a crash fails this test, not the session."""
+    script = (
+        "import torch, cuda_ext\n"
+        "from cuda_ext import _loader\n"
+        "cuda = _loader.load('cuda')\n"
+        "cpu = _loader.load('cpu')\n"
+        "cases = [[torch.randn(2, 3)], [torch.randn(3, 2), torch.randn(3)], [torch.ones(3, 2, dtype=torch.int64)]]\n"
+        "for case in cases:\n"
+        "    words = []\n"
+        "    for module, device in ((cpu, 'cpu'), (cuda, 'cuda')):\n"
+        "        for call in (lambda: module.orthogonalize([a.to(device) for a in case], 1e-8),\n"
+        "                     lambda: cuda_ext.orthogonalize([a.to(device) for a in case])):\n"
+        "            try:\n"
+        "                call()\n"
+        "                words.append('accepted')\n"
+        "            except ValueError as error:\n"
+        "                words.append(str(error))\n"
+        "    assert len(set(words)) == 1 and words[0] != 'accepted', words\n"
+        "batch = torch.randn(2, 3, 4, device='cuda')\n"
+        "try:\n"
+        "    cuda.orthogonalize_batches_([batch], 1e-8)\n"
+        "    raise SystemExit('accepted r > m')\n"
+        "except ValueError as error:\n"
+        "    assert 'batches[0] must have no more columns than rows' in str(error)\n"
+        "print('checked')\n"
+    )
+    code, out, err = run_python(["-c", script], env=child_env(), timeout=600)
+    assert code == 0 and "checked" in out, (code, err[-3000:])
+
+
+def test_cuda_batches_in_place_match_the_cpu_module(cuda_ext_fn, cpu_ext):
+    g = torch.Generator().manual_seed(42)
+    batches = [torch.randn(5, 512, 4, generator=g), torch.randn(3, 64, 4, generator=g), torch.randn(2, 2048, 8, generator=g)]
+    on_gpu = [b.cuda() for b in batches]
+    cuda_ext.orthogonalize_batches_(on_gpu)
+    for b, q in zip(batches, on_gpu):
+        want = torch.stack(cpu_ext(list(b.unbind(0))))
+        assert (q.cpu() - want).abs().max().item() <= 1e-4
+
+
 def test_orthogonalization_householder_uses_the_extension(cpu_ext):
     from bagua_algos.compression.orthogonalization import orthogonalize
 
@@ -290,18 +395,27 @@ def test_missing_compiler_in_a_fresh_process_warns_and_trains_on(tmp_path):
 
 
 # --- CUDA sources compile (CI: a CUDA syntax error fails here) -------------------------
-def test_cuda_kernel_compiles_with_nvcc(tmp_path):
+def test_cuda_kernel_compiles_with_nvcc(tmp_path, monkeypatch):
+    """The kernel compiled by nvcc with the very flags torch's JIT build uses for it
+    (read from the build file torch's cpp_extension writes: COMMON_NVCC_FLAGS such as
+    --expt-relaxed-constexpr, which torch's BFloat16 header needs, the arch flags, the
+    include paths), plus -Werror: this checks the real build, not a look-alike."""
     nvcc = _nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-    from torch.utils.cpp_extension import include_paths
+    from torch.utils.cpp_extension import CUDA_HOME, COMMON_NVCC_FLAGS
 
+    if CUDA_HOME is None:
+        pytest.skip("nvcc found but torch sees no CUDA toolkit (set CUDA_HOME)")
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")  # no GPU to take the architecture from
     source = os.path.join(os.path.dirname(_loader.__file__), "csrc", "orthogonalize_kernel.cu")
-    command = [nvcc, "-c", source, "-o", str(tmp_path / "kernel.o"), "-std=c++20", "-O1",
-               "-gencode", "arch=compute_80,code=sm_80", "-Werror", "all-warnings",
-               "-I" + os.path.dirname(source), *("-I" + p for p in include_paths())]
+    command = _loader.nvcc_command(source, tmp_path / "kernel.o", tmp_path) + ["-Werror", "all-warnings"]
+    assert all(flag in command for flag in COMMON_NVCC_FLAGS), command
+    assert any(flag.startswith("-gencode") for flag in command) and "-std=c++20" in command
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout}\n{done.stderr}"
+    assert (tmp_path / "kernel.o").stat().st_size > 0
 
 
 # --- CUDA path (GPU machines only) -------------------------------------------------------

@@ -286,6 +286,41 @@ def test_batches_that_share_memory_are_refused(cpu_ext):
         cuda_ext.orthogonalize_batches_([base[:2], base[1:]])
 
 
+def test_householder_torch_matches_the_extension(cpu_ext):
+    """The batched torch twin (the GPU fallback) runs the extension's math step for
+    step: the same Q to rounding, zero columns included, padded or not. (A column that
+    is dependent only up to rounding leaves a remainder of rounding noise, which both
+    turn into some unit column: there only orthonormality and the span can agree.)"""
+    from bagua_algos.compression import orthogonalization
+
+    g = torch.Generator().manual_seed(41)
+    zero_columns = torch.randn(2, 40, 4, generator=g)
+    zero_columns[0, :, 0] = 0
+    zero_columns[1, :, 1] = 0
+    cases = [torch.randn(3, 64, 4, generator=g), torch.randn(2, 128, 2, generator=g) * 1e-20, zero_columns,
+             torch.zeros(2, 7, 3), torch.randn(4, 5, 5, generator=g),
+             torch.randn(2, 200, 6, generator=g).double()]
+    for batch in cases:
+        want = torch.stack(cpu_ext(list(batch.unbind(0))))
+        got = orthogonalization.householder_torch(batch)
+        assert got.dtype == batch.dtype and got.shape == batch.shape
+        tolerance = 1e-12 if batch.dtype == torch.float64 else 2e-6
+        assert (got - want).abs().max().item() <= tolerance, batch.shape
+    noisy = torch.randn(2, 40, 3, generator=g)
+    noisy[0, :, 2] = 2 * noisy[0, :, 0] - noisy[0, :, 1]  # dependent up to rounding
+    noisy[1] = noisy[1, :, :1].repeat(1, 3)  # rank one
+    for a, q in zip(noisy, orthogonalization.householder_torch(noisy)):
+        assert _orthonormality_error(q) <= 1e-5 and _span_residual(a, q) <= 1e-5
+    # Several shapes at once: rows padded to a power of two, one batch per class.
+    batches = [torch.randn(3, 50, 2, generator=g), torch.randn(2, 64, 2, generator=g), torch.randn(1, 33, 2, generator=g),
+               torch.randn(2, 7, 3, generator=g)]
+    want = [torch.stack(cpu_ext(list(b.unbind(0)))) for b in batches]
+    got = [b.clone() for b in batches]
+    orthogonalization._householder_torch_batches_(got, 1e-8)
+    for x, y in zip(got, want):
+        assert (x - y).abs().max().item() <= 2e-6
+
+
 def test_cuda_module_refuses_bad_input_with_the_cpu_words(cuda_ext_fn, cpu_ext, tmp_path):
     """Issue 17: on a GPU the CUDA module refused nothing (the process crashed on r > m
     or a 1-D tensor). In a child process, so a crash fails this test, not the session."""
@@ -364,12 +399,13 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch):
     for a, q in zip(inputs, first):
         assert torch.allclose(q, torch.linalg.qr(a).Q)
     assert torch.allclose(second[1], torch.linalg.qr(inputs[0]).Q)
-    # "auto" does not try to build: while nothing is loaded, batched torch QR on CPU for
-    # r ≥ 2, Gram–Schmidt for r = 1 (and on GPUs).
+    # On CPU "auto" does not try to build: while nothing is loaded, batched torch QR for
+    # r ≥ 2, Gram–Schmidt for r = 1. On GPUs it is the compiled Householder QR (built on
+    # first use; its batched torch twin when that fails), never a per-matrix loop.
     cpu = {torch.device("cpu")}
     assert orthogonalization._resolve("auto", cpu, 1) == "gram_schmidt"
     assert orthogonalization._resolve("auto", cpu, 4) == "torch_qr"
-    assert orthogonalization._resolve("auto", {torch.device("cuda", 0)}, 4) == "gram_schmidt"
+    assert orthogonalization._resolve("auto", {torch.device("cuda", 0)}, 4) == "householder"
     assert not _loader._modules
 
 

@@ -289,8 +289,9 @@ def test_benchmark_script_runs_tiny():
     """benchmarks/powersgd_benchmark.py end to end, tiny: its table, not its timings."""
     from subprocesses import REPO, run_python
 
-    code, out, err = run_python([REPO / "benchmarks" / "powersgd_benchmark.py", "compress", "--ranks", "1",
-                                 "--steps", "1", "--warmup", "0"], timeout=120)
+    # On CPU also where a GPU is visible (torch's hook runs there under the benchmark's guard).
+    code, out, err = run_python([REPO / "benchmarks" / "powersgd_benchmark.py", "compress", "--device", "cpu",
+                                 "--ranks", "1", "--steps", "1", "--warmup", "0"], timeout=120)
     assert code == 0, err[-2000:]
     (row,) = [line.split() for line in out.splitlines() if line.strip().startswith("1 ")]
     assert float(row[1]) > 0 and float(row[2]) > 0 and float(row[3]) == pytest.approx(float(row[1]) / float(row[2]), rel=0.01)
@@ -422,6 +423,54 @@ def test_warm_start_keeps_the_previous_value_of_a_zero_column():
     assert all(torch.linalg.vector_norm(q, dim=-2).flatten() > 0)
 
 
+def test_torch_hook_anchor_runs_on_cpu_when_cuda_is_visible(monkeypatch):
+    """Issue 19, item 6: torch's powerSGD_hook calls torch.cuda.synchronize(device) when
+    CUDA is available, which torch refuses for a CPU device. The benchmark's guard (also
+    used by tests/test_powersgd_algorithm.py) lets it run; simulated here."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
+
+    from benchmarks.powersgd_benchmark import _Bucket, guard_cuda_synchronize_for_cpu
+
+    def strict_synchronize(device=None):  # what torch does on a machine with a GPU
+        if device is not None and torch.device(device).type != "cuda":
+            raise ValueError(f"Expected a cuda device, but got: {device}")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", strict_synchronize)
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, group=None, async_op=False: _Done(tensor))
+    params = [torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(8))]
+    buffer = torch.randn(16 * 8 + 8)
+
+    def hook():
+        state = torch_psgd.PowerSGDState(process_group=_Group(), matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                         min_compression_rate=1.0, use_error_feedback=True, warm_start=True)
+        state.iter = 2
+        return torch_psgd.powerSGD_hook(state, _Bucket(buffer.clone(), params)).wait()
+
+    with pytest.raises((RuntimeError, ValueError), match="Expected a cuda device"):
+        hook()
+    with guard_cuda_synchronize_for_cpu():
+        result = hook()
+    assert torch.isfinite(result).all()
+    assert torch.cuda.synchronize is strict_synchronize  # restored
+
+
+class _Group:
+    def size(self):
+        return 1
+
+
+class _Done:
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def get_future(self):
+        future = torch.futures.Future()
+        future.set_result([self.tensor])
+        return future
+
+
 # --- CUDA (GPU machines only) --------------------------------------------------------------------
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -518,3 +567,16 @@ def test_cuda_kernels_per_bucket_grow_with_shape_groups_not_matrices():
     orthogonalize = [e for e in kernels if "orthogonalize_kernel" in e.name]
     assert len(orthogonalize) == 1, [e.name for e in kernels]
     assert len(kernels) <= 8 * len(plan.groups) + 12, [e.name for e in kernels]
+
+
+@needs_cuda
+def test_benchmark_script_runs_tiny_on_cuda():
+    """The benchmark on the GPU (the first run may build cuda_ext: a long timeout)."""
+    from subprocesses import REPO, run_python
+
+    code, out, err = run_python([REPO / "benchmarks" / "powersgd_benchmark.py", "compress", "--device", "cuda",
+                                 "--ranks", "1,8", "--steps", "1", "--warmup", "1"], timeout=900)
+    assert code == 0, err[-2000:]
+    assert "device: " in out and "CUDA" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:2] in ("1 ", "8 ")]
+    assert len(rows) == 2 and all(float(row[3]) > 0 for row in rows)

@@ -30,7 +30,8 @@ Methods (``METHODS``):
   extension cannot be built or loaded, the same algorithm in torch is used instead,
   with one warning: ``torch.linalg.qr`` on CPU, and on GPUs :func:`householder_torch`
   (the extension's math step for step, batched over every matrix of a call, so it
-  agrees with the extension to rounding, zero and dependent columns included).
+  agrees with the extension to rounding, zero columns included; a column dependent
+  only up to rounding becomes some unit column in both, not necessarily the same).
 - ``"auto"``: on GPUs ``"householder"`` (the extension is built on first use; the
   batched torch twin if it cannot be: never a loop over matrices); on CPU
   ``"householder"`` when the extension is already loaded (it is never built just for
@@ -41,8 +42,10 @@ Methods (``METHODS``):
 place in one call (what PowerSGD does with the P factors of a bucket): one kernel
 launch for all of them with the extension on CUDA.
 
-On CUDA nothing here waits for the GPU (no ``.item()``, no data-dependent Python
-branch), except ``"cholesky_qr2"``'s fallback on CPU tensors only.
+On GPUs nothing here makes the host wait for the device (no ``.item()``, no Python
+branch on a tensor's values): there ``"cholesky_qr2"`` computes its Gram–Schmidt
+fallback for every matrix and keeps it where Cholesky failed, instead of picking the
+failed matrices out on the host as it does on CPU.
 
 fp16 and bf16 inputs are computed in float32 and returned in their own dtype.
 Newton–Schulz iterations are not offered: they do not give orthonormal columns.

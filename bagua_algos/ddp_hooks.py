@@ -22,9 +22,13 @@ error, both give the same update, see tests/test_powersgd_algorithm.py):
   NaN at rank ≤ 2 (Gram–Schmidt divides by a zero norm).
 - DDP rebuilds its buckets once, after the first step; a bucket whose layout changed
   starts a fresh PowerSGD state (Q's, error). Load a saved state after that first step.
-- The initial Q's come from a generator on the gradients' device seeded with ``seed``
-  and the bucket index; warm start does not re-orthogonalize Q each step (it would not
-  change the result: Gram–Schmidt of A·T, T upper triangular, equals that of A).
+- The initial Q's come from a CPU generator seeded with ``seed`` and the bucket index
+  (moved to the gradients' device, so CPU and CUDA start from the same Q's); warm
+  start does not re-orthogonalize Q each step (it would not change the result:
+  Gram–Schmidt of A·T, T upper triangular, equals that of A).
+- On CUDA the step never makes the host wait for the GPU (batched products, one
+  orthogonalization launch per bucket; see ``compression/powersgd.py``); torch's hook
+  calls ``torch.cuda.synchronize`` once per bucket.
 """
 
 import math
@@ -32,6 +36,7 @@ import math
 import torch
 
 from .algorithms.powersgd import PowerSGDAlgorithm
+from .compression import orthogonalization
 from .compression import powersgd as psgd
 from .compression.orthogonalization import DEFAULT_EPSILON
 from .runtime import comm
@@ -109,6 +114,8 @@ def powersgd_hook(state: PowerSGDHookState, bucket) -> torch.futures.Future[torc
             # New bucket, or DDP rebuilt its buckets (it does once, after the first step):
             # the state of a different layout cannot be reused, so it starts afresh.
             seed = psgd.stable_seed(state.settings.seed, f"ddp-bucket-{index}")
+            if plan.groups:
+                orthogonalization.prepare(state.options.orthogonalization, buffer.device)
             state.buckets[index] = psgd.init_state(plan, seed, buffer.dtype, buffer.device, state.options.error_feedback)
             state.buckets[index]["plan_shapes"] = signature
         grads, offset = [], 0

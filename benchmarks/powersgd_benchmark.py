@@ -3,12 +3,21 @@
     python benchmarks/powersgd_benchmark.py compress   # (a) ours vs torch's powerSGD_hook
     python benchmarks/powersgd_benchmark.py memory     # (c) state held vs the model's size
 
-(a) One process (a gloo group of one, so the collectives cost almost nothing): the
-gradients of the CIFAR ResNet-18 (Table 10) from one backward on random images, in one
-bucket of all of them, compressed and decompressed by our step
-(``compression.powersgd.compress_aggregate``) and by torch's ``powerSGD_hook`` (called
-with a bucket object that has the methods it uses), both with error feedback and warm
-start, on the same gradients; the median time per step after warm-up steps.
+(a) One process (a group of one: gloo on CPU, NCCL on CUDA, so the collectives cost
+almost nothing), on the device it finds (CUDA when available; ``--device`` chooses):
+the gradients of a model (``--model``: the CIFAR ResNet-18 of Table 10, or
+torchvision's ResNet-50) from one backward on random inputs, split into buckets as
+DDP does (parameters in reverse order, ``--bucket-mb`` MB each, 25 as DDP; 0: one
+bucket), compressed and decompressed by our step
+(``compression.powersgd.compress_aggregate``, on views into each bucket's buffer, as
+the algorithm and the DDP hook call it) and by torch's ``powerSGD_hook`` (called with
+a bucket object that has the methods it uses; also with
+``batch_tensors_with_same_shape=True``), all with error feedback and warm start, on the
+same gradients; the median time per step (every bucket), the three interleaved step by
+step, after warm-up steps, at every rank of ``--ranks`` (1,2,4,8) in one run. On CUDA
+each timed step ends with ``torch.cuda.synchronize()`` (ours queues its work without
+waiting; torch's hook waits inside). The header names the device and the
+orthogonalization "auto" resolved to.
 
 (c) The bytes of every tensor the algorithm holds between steps (bucket state: error
 buffer, Q's, generator state), against the model's parameter bytes, after a few steps
@@ -23,7 +32,9 @@ The training comparison (b) is ``benchmarks/heterogeneity_sweep.py`` with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -37,33 +48,88 @@ if str(_REPO) not in sys.path:
 import torch  # noqa: E402
 
 
-def _one_process_group(tmp: str) -> None:
+@contextlib.contextmanager
+def guard_cuda_synchronize_for_cpu():
+    """Inside this block ``torch.cuda.synchronize(device)`` returns at once for a CPU
+    device (there is nothing to wait for) and is unchanged otherwise.
+
+    torch's ``powerSGD_hook`` calls ``torch.cuda.synchronize(device)`` whenever CUDA is
+    available, also when its bucket is on the CPU, where torch refuses a CPU device
+    ("Expected a cuda device"). So the hook cannot run on CPU tensors on a machine with
+    a GPU; this block lets it (the CPU results are those of a machine without one).
+    """
+    original = torch.cuda.synchronize
+
+    def synchronize(device=None):
+        if isinstance(device, (str, torch.device)) and torch.device(device).type == "cpu":
+            return None
+        return original(device)
+
+    torch.cuda.synchronize = synchronize
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = original
+
+
+def _one_process_group(tmp: str, device: torch.device) -> None:
     import torch.distributed as dist
 
     from bagua_algos.runtime import comm
 
     store = dist.FileStore(os.path.join(tmp, "store"), 1)
-    comm.init_process_group(store=store, rank=0, world_size=1, backend="gloo", timeout=60)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    comm.init_process_group(store=store, rank=0, world_size=1, backend=backend, timeout=60)
 
 
-def _resnet_gradients(seed: int = 0):
-    from benchmarks.cifar_resnet import CifarResNet18
+def _model(name: str):
+    if name == "cifar_resnet18":
+        from benchmarks.cifar_resnet import CifarResNet18
 
+        return CifarResNet18(), (3, 32, 32), 10
+    if name == "resnet50":
+        import torchvision
+
+        return torchvision.models.resnet50(), (3, 224, 224), 1000
+    raise ValueError(f"--model must be cifar_resnet18 or resnet50, got {name!r}")
+
+
+def _resnet_gradients(seed: int = 0, model_name: str = "cifar_resnet18", device="cpu", batch: int = 8):
     torch.manual_seed(seed)
-    model = CifarResNet18()
-    x = torch.randn(8, 3, 32, 32)
-    y = torch.randint(0, 10, (8,))
+    model, image, classes = _model(model_name)
+    model = model.to(device)
+    x = torch.randn(batch, *image, device=device)
+    y = torch.randint(0, classes, (batch,), device=device)
     torch.nn.functional.cross_entropy(model(x), y).backward()
     params = [p for p in model.parameters() if p.requires_grad][::-1]  # DDP's bucket order
     return model, params
 
 
+def _buckets(params, bucket_mb: float):
+    """DDP's split: parameters in order, a new bucket once ``bucket_mb`` MB are reached."""
+    if bucket_mb <= 0:
+        return [list(params)]
+    limit = bucket_mb * 2**20
+    buckets, current, size = [], [], 0
+    for p in params:
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= limit:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
 class _Bucket:
     """What torch's powerSGD_hook calls on a GradBucket."""
 
-    def __init__(self, buffer, params):
+    def __init__(self, buffer, params, index=0, last=True):
         self._buffer = buffer
         self._params = params
+        self._index = index
+        self._last = last
         self._grads = []
         offset = 0
         for p in params:
@@ -80,69 +146,104 @@ class _Bucket:
         return self._params
 
     def index(self):
-        return 0
+        return self._index
 
     def is_last(self):
-        return True
+        return self._last
 
     def is_the_last_bucket_to_allreduce(self):
-        return True
+        return self._last
 
 
-def bench_compress(ranks, steps: int, warmup: int) -> list[dict]:
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread(s))"
+
+
+def bench_compress(ranks, steps: int, warmup: int, device="cpu", model_name: str = "cifar_resnet18",
+                   bucket_mb: float = 25.0) -> list[dict]:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
     from bagua_algos.compression import powersgd as psgd
     from bagua_algos.runtime import comm
 
-    _, params = _resnet_gradients()
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    shapes = [p.shape for p in params]
+    device = torch.device(device)
+    _, params = _resnet_gradients(model_name=model_name, device=device)
+    buckets = _buckets(params, bucket_mb)
+    flats = [torch.cat([p.grad.reshape(-1) for p in bucket]) for bucket in buckets]
+    on_cuda = device.type == "cuda"
+
+    def sync():
+        if on_cuda:
+            torch.cuda.synchronize(device)
+
+    def mean(t):
+        comm.allreduce_inplace(t, comm.ReduceOp.AVG)
+
+    def start(t):
+        return comm.allreduce_inplace(t, comm.ReduceOp.AVG, async_op=True)
+
     rows = []
     for rank in ranks:
-        # ours
-        plan = psgd.make_plan(shapes, rank, 2.0)
-        state = psgd.init_state(plan, 0, flat.dtype, flat.device, True)
+        # ours: one plan and state per bucket, gradients as views into the bucket's buffer
         options = psgd.PowerSGDOptions(orthogonalization="auto")
-        buffer = flat.clone()
-
-        def mean(t):
-            comm.allreduce_inplace(t, comm.ReduceOp.AVG)
-
-        def start(t):
-            return comm.allreduce_inplace(t, comm.ReduceOp.AVG, async_op=True)
-
-        def ours():
+        ours_buffers = [flat.clone() for flat in flats]
+        ours_buckets = []
+        for index, (bucket, buffer) in enumerate(zip(buckets, ours_buffers)):
+            shapes = [p.shape for p in bucket]
+            plan = psgd.make_plan(shapes, rank, 2.0)
+            state = psgd.init_state(plan, index, buffer.dtype, device, True)
             grads, offset = [], 0
             for s in shapes:
-                n = s.numel()
-                grads.append(buffer[offset : offset + n].view(s))
-                offset += n
-            psgd.compress_aggregate(plan, grads, state, options, mean, start)
+                grads.append(buffer[offset : offset + s.numel()].view(s))
+                offset += s.numel()
+            ours_buckets.append((plan, state, grads))
+
+        def ours():
+            for plan, state, grads in ours_buckets:
+                psgd.compress_aggregate(plan, grads, state, options, mean, start)
 
         # torch's hook (start at its first compressed step: start_powerSGD_iter must be ≥ 2
         # with error feedback, so its iter is set past it)
-        tstate = torch_psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
-                                          min_compression_rate=2.0, use_error_feedback=True, warm_start=True,
-                                          orthogonalization_epsilon=1e-8)
-        tstate.iter = 2
-        tbuffer = flat.clone()
-        tbucket = _Bucket(tbuffer, params)
+        def torch_variant(batched: bool):
+            tstate = torch_psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                              start_powerSGD_iter=2, min_compression_rate=2.0,
+                                              use_error_feedback=True, warm_start=True,
+                                              orthogonalization_epsilon=1e-8, batch_tensors_with_same_shape=batched)
+            tstate.iter = 2
+            tbuffers = [flat.clone() for flat in flats]
+            tbuckets = [_Bucket(buffer, bucket, index, index == len(buckets) - 1)
+                        for index, (buffer, bucket) in enumerate(zip(tbuffers, buckets))]
 
-        def theirs():
-            torch_psgd.powerSGD_hook(tstate, tbucket).wait()
+            def theirs():
+                for tbucket in tbuckets:
+                    torch_psgd.powerSGD_hook(tstate, tbucket).wait()
 
-        times = {"ours": [], "torch": []}
-        for i in range(warmup + steps):
-            for name, fn, buf in (("ours", ours, buffer), ("torch", theirs, tbuffer)):
-                buf.copy_(flat)
-                start_t = time.perf_counter()
-                fn()
-                elapsed = time.perf_counter() - start_t
-                if i >= warmup:
-                    times[name].append(elapsed)
-        ours_s, torch_s = statistics.median(times["ours"]), statistics.median(times["torch"])
-        rows.append({"rank": rank, "ours_ms": 1e3 * ours_s, "torch_ms": 1e3 * torch_s, "ratio": ours_s / torch_s})
+            return theirs, tbuffers
+
+        torch_fn, torch_buffers = torch_variant(False)
+        batched_fn, batched_buffers = torch_variant(True)
+        runs = (("ours", ours, ours_buffers), ("torch", torch_fn, torch_buffers),
+                ("torch_batched", batched_fn, batched_buffers))
+        times = {name: [] for name, _, _ in runs}
+        guard = guard_cuda_synchronize_for_cpu() if device.type == "cpu" else contextlib.nullcontext()
+        with guard:
+            for i in range(warmup + steps):
+                for name, fn, bufs in runs:
+                    for buf, flat in zip(bufs, flats):
+                        buf.copy_(flat)
+                    sync()
+                    start_t = time.perf_counter()
+                    fn()
+                    sync()
+                    elapsed = time.perf_counter() - start_t
+                    if i >= warmup:
+                        times[name].append(elapsed)
+        med = {name: statistics.median(values) for name, values in times.items()}
+        rows.append({"rank": rank, "ours_ms": 1e3 * med["ours"], "torch_ms": 1e3 * med["torch"],
+                     "ratio": med["ours"] / med["torch"], "torch_batched_ms": 1e3 * med["torch_batched"],
+                     "ratio_batched": med["ours"] / med["torch_batched"], "buckets": len(buckets)})
     return rows
 
 
@@ -189,31 +290,52 @@ def _tensor_bytes(value) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="powersgd_benchmark", description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=("compress", "memory"))
-    parser.add_argument("--ranks", default="1,2,4")
+    parser.add_argument("--ranks", default="1,2,4,8")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--model", default="cifar_resnet18", choices=("cifar_resnet18", "resnet50"))
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP-like bucket size in MB (0: one bucket)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.what == "memory":
+        device = torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     from bagua_algos.runtime import comm
 
     with tempfile.TemporaryDirectory() as tmp:
-        _one_process_group(tmp)
+        _one_process_group(tmp, device)
         try:
-            _report(args)
+            _report(args, device)
         finally:
             comm.destroy_process_group()
     return 0
 
 
-def _report(args) -> None:
+def _report(args, device) -> None:
     if args.what == "compress":
+        from bagua_algos.compression import orthogonalization
+
         ranks = [int(r) for r in args.ranks.split(",")]
-        print(f"torch {torch.__version__}, {args.threads} thread(s), CIFAR ResNet-18 gradients in one bucket, "
+        method = orthogonalization.prepare("auto", device)
+        if method == "householder":
+            import cuda_ext
+
+            method += " (cuda_ext)" if cuda_ext.is_loaded(device) else " (householder_torch fallback)"
+        for_r1 = orthogonalization._resolve("auto", {device}, 1)
+        if not method.startswith(for_r1):
+            method = f"{method} for r >= 2, {for_r1} for r = 1"
+        rows = bench_compress(ranks, args.steps, args.warmup, device, args.model, args.bucket_mb)
+        print(f"device: {describe_device(device)}; torch {torch.__version__}; {args.model} gradients in "
+              f"{rows[0]['buckets']} bucket(s) of <= {args.bucket_mb:g} MB; our orthogonalization auto = {method}; "
               f"median of {args.steps} steps after {args.warmup}")
-        print("rank  ours ms   torch ms  ours/torch")
-        for row in bench_compress(ranks, args.steps, args.warmup):
-            print(f"{row['rank']:>4}  {row['ours_ms']:8.2f}  {row['torch_ms']:8.2f}  {row['ratio']:10.3f}")
+        print("rank  ours ms   torch ms  ours/torch  torch batched ms  ours/torch batched")
+        for row in rows:
+            print(f"{row['rank']:>4}  {row['ours_ms']:8.2f}  {row['torch_ms']:8.2f}  {row['ratio']:10.3f}  "
+                  f"{row['torch_batched_ms']:16.2f}  {row['ratio_batched']:18.3f}")
     else:
         print("error_in_grad  held MB  model MB  held/model  transient MB (op → optimizer.step)  transient/model")
         for row in bench_memory(args.steps):

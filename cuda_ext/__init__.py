@@ -35,6 +35,7 @@ __all__ = [
     "DEFAULT_EPSILON",
     "ExtensionUnavailable",
     "orthogonalize",
+    "orthogonalize_batches_",
     "load_orthogonalize",
     "is_loaded",
     "is_available",
@@ -51,18 +52,27 @@ def _check_epsilon(epsilon) -> float:
     return float(epsilon)
 
 
+# The checks of the compiled modules (csrc/bindings.cpp), word for word: a bad input is
+# the same ValueError whichever device it is on and whether or not a module is built.
+def _check_tensors(tensors, what: str, dims: int) -> None:
+    layout = "(m x r)" if dims == 2 else "(b x m x r)"
+    for index, a in enumerate(tensors):
+        name = f"{what}[{index}]"
+        if not torch.is_tensor(a):
+            raise ValueError(f"{name} must be a {dims}-D tensor {layout}, got {a!r}")
+        if a.dim() != dims:
+            raise ValueError(f"{name} must be a {dims}-D tensor {layout}, got a {a.dim()}-D tensor")
+        if a.dtype not in _DTYPES:
+            raise ValueError(f"{name} must be float32, float64, float16 or bfloat16, got {a.dtype}")
+        if a.shape[-1] > a.shape[-2]:
+            raise ValueError(f"{name} must have no more columns than rows (r <= m), got shape {tuple(a.shape)}")
+
+
 def _check_matrices(matrices) -> List[torch.Tensor]:
     if torch.is_tensor(matrices) or not isinstance(matrices, Sequence):
         raise ValueError(f"matrices must be a list of 2-D tensors, got {type(matrices).__name__}")
     matrices = list(matrices)
-    for index, a in enumerate(matrices):
-        if not torch.is_tensor(a) or a.dim() != 2:
-            what = f"a {a.dim()}-D tensor" if torch.is_tensor(a) else repr(a)
-            raise ValueError(f"matrices[{index}] must be a 2-D tensor (m × r), got {what}")
-        if a.dtype not in _DTYPES:
-            raise ValueError(f"matrices[{index}] must be float32, float64, float16 or bfloat16, got {a.dtype}")
-        if a.shape[1] > a.shape[0]:
-            raise ValueError(f"matrices[{index}] must have no more columns than rows (r ≤ m), got shape {tuple(a.shape)}")
+    _check_tensors(matrices, "matrices", 2)
     return matrices
 
 
@@ -71,22 +81,23 @@ def orthogonalize(matrices: Sequence[torch.Tensor], epsilon: float = DEFAULT_EPS
 
     Builds the extension for the matrices' devices on first use; raises
     :class:`ExtensionUnavailable` when it cannot. Matrices on several devices are
-    processed one device at a time (one call each).
+    processed one device at a time (one call each). Bad input is a ValueError naming
+    the matrix, with the same words on every device.
     """
     epsilon = _check_epsilon(epsilon)
     if isinstance(matrices, (list, tuple)):
-        # Fast path: one device. The compiled module checks shapes and dtypes itself
-        # (with the same messages), so the per-matrix Python checks are skipped here.
+        # Fast path: CPU tensors, module loaded. The compiled module checks shapes and
+        # dtypes itself (with the same words), so the per-matrix Python checks are
+        # skipped. Tensors on a GPU are always checked here first: nothing reaches a
+        # device path unchecked, whatever a module build does with a C++ exception.
         try:
             devices = {a.device for a in matrices}
         except AttributeError:
             devices = None
         if devices is not None and not devices:
             return []
-        if devices is not None and len(devices) == 1:
-            kind = _loader.kind_for(next(iter(devices)))
-            if _loader.loaded(kind):  # else: check in Python first, so bad input is a ValueError even if the build fails
-                return _loader.load(kind).orthogonalize(list(matrices), epsilon)
+        if devices == {torch.device("cpu")} and _loader.loaded("cpu"):
+            return _loader.load("cpu").orthogonalize(list(matrices), epsilon)
     matrices = _check_matrices(matrices)
     by_device = defaultdict(list)
     for index, a in enumerate(matrices):
@@ -97,6 +108,37 @@ def orthogonalize(matrices: Sequence[torch.Tensor], epsilon: float = DEFAULT_EPS
         for index, q in zip(indices, module.orthogonalize([matrices[i] for i in indices], epsilon)):
             out[index] = q
     return out
+
+
+def orthogonalize_batches_(batches: Sequence[torch.Tensor], epsilon: float = DEFAULT_EPSILON) -> List[torch.Tensor]:
+    """Replace every matrix of every batch (b_k × m_k × r_k, one device, any mix of
+    shapes and dtypes) by its Q factor, in place: one kernel launch on CUDA for all of
+    them, no tensor object per matrix. Returns ``batches``.
+
+    A batch must not share memory with itself (e.g. an expanded tensor) or with another
+    batch: the compiled module refuses that with a ValueError.
+    """
+    epsilon = _check_epsilon(epsilon)
+    if torch.is_tensor(batches) or not isinstance(batches, Sequence):
+        raise ValueError(f"batches must be a list of 3-D tensors, got {type(batches).__name__}")
+    batches = list(batches)
+    _check_tensors(batches, "batches", 3)
+    if not batches:
+        return batches
+    device = batches[0].device
+    for index, batch in enumerate(batches):
+        if batch.device != device:
+            raise ValueError(f"batches[{index}] is on {batch.device} but batches[0] is on {device}; "
+                             "one call takes tensors of one device")
+    module = _loader.load(_loader.kind_for(device))
+    if hasattr(module, "orthogonalize_batches_"):
+        module.orthogonalize_batches_(batches, epsilon)
+        return batches
+    # A module built before orthogonalize_batches_ existed (an old install-time build).
+    views = [matrix for batch in batches for matrix in batch.unbind(0)]
+    if views:
+        torch._foreach_copy_(views, module.orthogonalize(views, epsilon))
+    return batches
 
 
 def load_orthogonalize(device="cpu") -> Callable[..., List[torch.Tensor]]:

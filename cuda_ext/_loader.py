@@ -120,6 +120,57 @@ def _import_prebuilt(kind: str) -> Optional[ModuleType]:
         return None
 
 
+def build_arguments(kind: str) -> dict:
+    """The arguments ``_build`` gives ``torch.utils.cpp_extension.load`` for ``kind``
+    (also what :func:`nvcc_command` compiles with)."""
+    extra = {}
+    if kind == "cuda":
+        extra["extra_cuda_cflags"] = list(NVCC_FLAGS)
+    return dict(
+        name=MODULE_NAMES[kind],
+        sources=[str(CSRC / s) for s in SOURCES[kind]],
+        extra_cflags=CXX_FLAGS + (["-DBAGUA_WITH_CUDA"] if kind == "cuda" else []),
+        extra_include_paths=[str(CSRC)],
+        with_cuda=(kind == "cuda"),
+        **extra,
+    )
+
+
+def nvcc_command(source, output, workdir) -> list:
+    """The command torch's JIT build runs to compile the CUDA ``source`` of the "cuda"
+    module into ``output`` (without the dependency file): the nvcc flags are read from
+    the build file torch's own ``cpp_extension`` writes for this module (its
+    COMMON_NVCC_FLAGS such as ``--expt-relaxed-constexpr``, the arch flags of
+    ``TORCH_CUDA_ARCH_LIST`` or the visible GPUs, the include paths, ``-std``), written
+    into ``workdir``. Used by the compile-only test, so it checks the real build."""
+    import inspect
+    import shlex
+
+    from torch.utils import cpp_extension
+
+    args = build_arguments("cuda")
+    writer = cpp_extension._write_ninja_file_to_build_library
+    wanted = dict(path=os.path.join(str(workdir), "build.ninja"), name=args["name"], sources=args["sources"],
+                  extra_cflags=args["extra_cflags"], extra_cuda_cflags=args["extra_cuda_cflags"],
+                  extra_sycl_cflags=[], extra_ldflags=[], extra_include_paths=args["extra_include_paths"],
+                  with_cuda=True, with_sycl=False, is_standalone=False)
+    accepted = inspect.signature(writer).parameters
+    missing = [k for k in ("path", "name", "sources", "extra_cuda_cflags", "with_cuda") if k not in accepted]
+    if missing:
+        raise RuntimeError(f"torch.utils.cpp_extension's build-file writer changed (no {missing}); update nvcc_command")
+    writer(**{k: v for k, v in wanted.items() if k in accepted})
+    flags = {}
+    with open(wanted["path"]) as build_file:
+        for line in build_file:
+            key, _, value = line.partition(" = ")
+            if key in ("nvcc", "cuda_cflags", "cuda_post_cflags"):
+                flags[key] = shlex.split(value.strip())
+    if "nvcc" not in flags or "cuda_cflags" not in flags:
+        raise RuntimeError(f"torch's build file {wanted['path']} has no nvcc rule")
+    return [*flags["nvcc"], *flags["cuda_cflags"], "-c", str(source), "-o", str(output),
+            *flags.get("cuda_post_cflags", [])]
+
+
 def _build(kind: str) -> ModuleType:
     from torch.utils import cpp_extension
 
@@ -130,16 +181,8 @@ def _build(kind: str) -> ModuleType:
             raise ExtensionUnavailable("this torch build has no CUDA support")
     build_dir = cache_dir() / MODULE_NAMES[kind]
     build_dir.mkdir(parents=True, exist_ok=True)
-    extra = {}
-    if kind == "cuda":
-        extra["extra_cuda_cflags"] = NVCC_FLAGS
     return cpp_extension.load(
-        name=MODULE_NAMES[kind],
-        sources=[str(CSRC / s) for s in SOURCES[kind]],
-        extra_cflags=CXX_FLAGS + (["-DBAGUA_WITH_CUDA"] if kind == "cuda" else []),
-        extra_include_paths=[str(CSRC)],
         build_directory=str(build_dir),
-        with_cuda=(kind == "cuda"),
         verbose=bool(os.environ.get(VERBOSE_ENV)),
-        **extra,
+        **build_arguments(kind),
     )

@@ -9,6 +9,7 @@ no C++ compiler."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import warnings
@@ -223,6 +224,145 @@ def test_compiled_module_checks_its_inputs_too(cpu_ext):
         module.orthogonalize([torch.randn(3, 2)], -1.0)
 
 
+BAD_MATRICES = [
+    ([torch.randn(2, 3)], r"matrices\[0\] must have no more columns than rows"),
+    ([torch.randn(3, 2), torch.randn(3)], r"matrices\[1\] must be a 2-D tensor"),
+    ([torch.randn(3, 2), torch.randn(4, 3, 2)], r"matrices\[1\] must be a 2-D tensor"),
+    ([torch.ones(3, 2, dtype=torch.int64)], r"matrices\[0\] must be float32"),
+    ([torch.randn(3, 2), torch.randn(3, 2, dtype=torch.complex64)], r"matrices\[1\] must be float32"),
+]
+BAD_BATCHES = [
+    ([torch.randn(2, 2, 3)], r"batches\[0\] must have no more columns than rows"),
+    ([torch.randn(1, 3, 2), torch.randn(3, 2)], r"batches\[1\] must be a 3-D tensor"),
+    ([torch.ones(1, 3, 2, dtype=torch.int32)], r"batches\[0\] must be float32"),
+]
+
+
+def _message(call) -> str:
+    with pytest.raises(ValueError) as info:
+        call()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("bad, match", BAD_MATRICES + BAD_BATCHES)
+def test_python_and_compiled_checks_say_the_same(cpu_ext, bad, match):
+    """Issue 17: one check in C++ (bindings.cpp, before dispatch, for every device) and
+    the same words in Python (run first for GPU tensors): the same ValueError."""
+    module = _loader.load("cpu")
+    if "batches" in match:
+        compiled = _message(lambda: module.orthogonalize_batches_(bad, 1e-8))
+        python = _message(lambda: cuda_ext._check_tensors(bad, "batches", 3))
+        public = _message(lambda: cuda_ext.orthogonalize_batches_(bad))
+    else:
+        compiled = _message(lambda: module.orthogonalize(bad, 1e-8))
+        python = _message(lambda: cuda_ext._check_matrices(bad))
+        public = _message(lambda: cuda_ext.orthogonalize(bad))
+    assert compiled == python == public
+    assert re.match(match, compiled), compiled
+
+
+def test_batches_in_place_match_the_list_call_bitwise(cpu_ext):
+    g = torch.Generator().manual_seed(40)
+    batches = [torch.randn(3, 64, 4, generator=g), torch.randn(2, 9, 9, generator=g, dtype=torch.float64),
+               torch.randn(1, 33, 1, generator=g), torch.zeros(0, 5, 2), torch.randn(2, 20, 3, generator=g).half()]
+    expected = [torch.stack(cpu_ext(list(b.unbind(0)))) if b.shape[0] else b.clone() for b in batches]
+    flat = torch.randn(200, 8, generator=g)
+    before = flat.clone()
+    strided = flat[:96].view(3, 32, 8)[:, :, ::2]  # non-contiguous columns, written through
+    expected.append(torch.stack(cpu_ext(list(strided.unbind(0)))))
+    batches.append(strided)
+    assert cuda_ext.orthogonalize_batches_(batches) is not None
+    for got, want in zip(batches, expected):
+        assert torch.equal(got, want)
+    untouched = before[:96].view(3, 32, 8)[:, :, 1::2]
+    assert torch.equal(flat[:96].view(3, 32, 8)[:, :, 1::2], untouched) and torch.equal(flat[96:], before[96:])
+
+
+def test_batches_that_share_memory_are_refused(cpu_ext):
+    base = torch.randn(4, 5, 2)
+    with pytest.raises(ValueError, match=r"batches\[0\] has elements that share memory"):
+        cuda_ext.orthogonalize_batches_([torch.randn(5, 2).expand(3, 5, 2)])
+    with pytest.raises(ValueError, match=r"batches\[1\] and batches\[0\] share memory"):
+        cuda_ext.orthogonalize_batches_([base[:2], base[1:]])
+
+
+def test_householder_torch_matches_the_extension(cpu_ext):
+    """The batched torch twin (the GPU fallback) runs the extension's math step for
+    step: the same Q to rounding, zero columns included, padded or not. (A column that
+    is dependent only up to rounding leaves a remainder of rounding noise, which both
+    turn into some unit column: there only orthonormality and the span can agree.)"""
+    from bagua_algos.compression import orthogonalization
+
+    g = torch.Generator().manual_seed(41)
+    zero_columns = torch.randn(2, 40, 4, generator=g)
+    zero_columns[0, :, 0] = 0
+    zero_columns[1, :, 1] = 0
+    cases = [torch.randn(3, 64, 4, generator=g), torch.randn(2, 128, 2, generator=g) * 1e-20, zero_columns,
+             torch.zeros(2, 7, 3), torch.randn(4, 5, 5, generator=g),
+             torch.randn(2, 200, 6, generator=g).double()]
+    for batch in cases:
+        want = torch.stack(cpu_ext(list(batch.unbind(0))))
+        got = orthogonalization.householder_torch(batch)
+        assert got.dtype == batch.dtype and got.shape == batch.shape
+        tolerance = 1e-12 if batch.dtype == torch.float64 else 2e-6
+        assert (got - want).abs().max().item() <= tolerance, batch.shape
+    noisy = torch.randn(2, 40, 3, generator=g)
+    noisy[0, :, 2] = 2 * noisy[0, :, 0] - noisy[0, :, 1]  # dependent up to rounding
+    noisy[1] = noisy[1, :, :1].repeat(1, 3)  # rank one
+    for a, q in zip(noisy, orthogonalization.householder_torch(noisy)):
+        assert _orthonormality_error(q) <= 1e-5 and _span_residual(a, q) <= 1e-5
+    # Several shapes at once: rows padded to a power of two, one batch per class.
+    batches = [torch.randn(3, 50, 2, generator=g), torch.randn(2, 64, 2, generator=g), torch.randn(1, 33, 2, generator=g),
+               torch.randn(2, 7, 3, generator=g)]
+    want = [torch.stack(cpu_ext(list(b.unbind(0)))) for b in batches]
+    got = [b.clone() for b in batches]
+    orthogonalization._householder_torch_batches_(got, 1e-8)
+    for x, y in zip(got, want):
+        assert (x - y).abs().max().item() <= 2e-6
+
+
+def test_cuda_module_refuses_bad_input_with_the_cpu_words(cuda_ext_fn, cpu_ext, tmp_path):
+    """Issue 17: on a GPU the CUDA module refused nothing (the process crashed on r > m
+    or a 1-D tensor). In a child process, so a crash fails this test, not the session."""
+    script = (
+        "import torch, cuda_ext\n"
+        "from cuda_ext import _loader\n"
+        "cuda = _loader.load('cuda')\n"
+        "cpu = _loader.load('cpu')\n"
+        "cases = [[torch.randn(2, 3)], [torch.randn(3, 2), torch.randn(3)], [torch.ones(3, 2, dtype=torch.int64)]]\n"
+        "for case in cases:\n"
+        "    words = []\n"
+        "    for module, device in ((cpu, 'cpu'), (cuda, 'cuda')):\n"
+        "        for call in (lambda: module.orthogonalize([a.to(device) for a in case], 1e-8),\n"
+        "                     lambda: cuda_ext.orthogonalize([a.to(device) for a in case])):\n"
+        "            try:\n"
+        "                call()\n"
+        "                words.append('accepted')\n"
+        "            except ValueError as error:\n"
+        "                words.append(str(error))\n"
+        "    assert len(set(words)) == 1 and words[0] != 'accepted', words\n"
+        "batch = torch.randn(2, 3, 4, device='cuda')\n"
+        "try:\n"
+        "    cuda.orthogonalize_batches_([batch], 1e-8)\n"
+        "    raise SystemExit('accepted r > m')\n"
+        "except ValueError as error:\n"
+        "    assert 'batches[0] must have no more columns than rows' in str(error)\n"
+        "print('checked')\n"
+    )
+    code, out, err = run_python(["-c", script], env=child_env(), timeout=600)
+    assert code == 0 and "checked" in out, (code, err[-3000:])
+
+
+def test_cuda_batches_in_place_match_the_cpu_module(cuda_ext_fn, cpu_ext):
+    g = torch.Generator().manual_seed(42)
+    batches = [torch.randn(5, 512, 4, generator=g), torch.randn(3, 64, 4, generator=g), torch.randn(2, 2048, 8, generator=g)]
+    on_gpu = [b.cuda() for b in batches]
+    cuda_ext.orthogonalize_batches_(on_gpu)
+    for b, q in zip(batches, on_gpu):
+        want = torch.stack(cpu_ext(list(b.unbind(0))))
+        assert (q.cpu() - want).abs().max().item() <= 1e-4
+
+
 def test_orthogonalization_householder_uses_the_extension(cpu_ext):
     from bagua_algos.compression.orthogonalization import orthogonalize
 
@@ -259,12 +399,13 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch):
     for a, q in zip(inputs, first):
         assert torch.allclose(q, torch.linalg.qr(a).Q)
     assert torch.allclose(second[1], torch.linalg.qr(inputs[0]).Q)
-    # "auto" does not try to build: while nothing is loaded, batched torch QR on CPU for
-    # r ≥ 2, Gram–Schmidt for r = 1 (and on GPUs).
+    # On CPU "auto" does not try to build: while nothing is loaded, batched torch QR for
+    # r ≥ 2, Gram–Schmidt for r = 1. On GPUs it is the compiled Householder QR (built on
+    # first use; its batched torch twin when that fails), never a per-matrix loop.
     cpu = {torch.device("cpu")}
     assert orthogonalization._resolve("auto", cpu, 1) == "gram_schmidt"
     assert orthogonalization._resolve("auto", cpu, 4) == "torch_qr"
-    assert orthogonalization._resolve("auto", {torch.device("cuda", 0)}, 4) == "gram_schmidt"
+    assert orthogonalization._resolve("auto", {torch.device("cuda", 0)}, 4) == "householder"
     assert not _loader._modules
 
 
@@ -290,18 +431,27 @@ def test_missing_compiler_in_a_fresh_process_warns_and_trains_on(tmp_path):
 
 
 # --- CUDA sources compile (CI: a CUDA syntax error fails here) -------------------------
-def test_cuda_kernel_compiles_with_nvcc(tmp_path):
+def test_cuda_kernel_compiles_with_nvcc(tmp_path, monkeypatch):
+    """The kernel compiled by nvcc with the very flags torch's JIT build uses for it
+    (read from the build file torch's cpp_extension writes: COMMON_NVCC_FLAGS such as
+    --expt-relaxed-constexpr, which torch's BFloat16 header needs, the arch flags, the
+    include paths), plus -Werror: this checks the real build, not a look-alike."""
     nvcc = _nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-    from torch.utils.cpp_extension import include_paths
+    from torch.utils.cpp_extension import CUDA_HOME, COMMON_NVCC_FLAGS
 
+    if CUDA_HOME is None:
+        pytest.skip("nvcc found but torch sees no CUDA toolkit (set CUDA_HOME)")
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")  # no GPU to take the architecture from
     source = os.path.join(os.path.dirname(_loader.__file__), "csrc", "orthogonalize_kernel.cu")
-    command = [nvcc, "-c", source, "-o", str(tmp_path / "kernel.o"), "-std=c++20", "-O1",
-               "-gencode", "arch=compute_80,code=sm_80", "-Werror", "all-warnings",
-               "-I" + os.path.dirname(source), *("-I" + p for p in include_paths())]
+    command = _loader.nvcc_command(source, tmp_path / "kernel.o", tmp_path) + ["-Werror", "all-warnings"]
+    assert all(flag in command for flag in COMMON_NVCC_FLAGS), command
+    assert any(flag.startswith("-gencode") for flag in command) and "-std=c++20" in command
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout}\n{done.stderr}"
+    assert (tmp_path / "kernel.o").stat().st_size > 0
 
 
 # --- CUDA path (GPU machines only) -------------------------------------------------------

@@ -8,8 +8,10 @@ from bagua_algos.compression.orthogonalization import (
     METHODS,
     cholesky_qr2,
     gram_schmidt,
+    householder_torch,
     orthogonalize,
     orthogonalize_batch,
+    orthogonalize_batches_,
     torch_qr,
 )
 
@@ -108,3 +110,49 @@ def test_bad_input_is_named(call, match):
 
 def test_methods_listed():
     assert set(METHODS) == {"auto", "gram_schmidt", "cholesky_qr2", "torch_qr", "householder"}
+
+
+# --- several batches in one call, in place (PowerSGD's P factors) ---------------------------
+@pytest.mark.parametrize("method", PURE + ["auto"])
+def test_batches_in_place_equal_one_batch_at_a_time(method):
+    g = torch.Generator().manual_seed(3)
+    p_flat = torch.randn(3 * 30 * 2 + 2 * 12 * 2 + 1 * 9 * 1, generator=g)
+    shapes = [(3, 30, 2), (2, 12, 2), (1, 9, 1)]
+    batches, offset = [], 0
+    for b, m, r in shapes:
+        batches.append(p_flat[offset : offset + b * m * r].view(b, m, r))
+        offset += b * m * r
+    expected = [orthogonalize_batch(batch, method) for batch in batches]
+    assert orthogonalize_batches_(batches, method) == batches
+    for batch, want in zip(batches, expected):  # written into the shared buffer's views
+        assert torch.equal(batch, want)
+
+
+def test_batches_refuse_bad_input():
+    with pytest.raises(ValueError, match=r"batches\[1\] must hold m × r matrices with r ≤ m"):
+        orthogonalize_batches_([torch.randn(1, 4, 2), torch.randn(1, 2, 4)])
+    with pytest.raises(ValueError, match=r"batches\[0\] must be a 3-D"):
+        orthogonalize_batches_([torch.randn(4, 2)])
+    with pytest.raises(ValueError, match="orthogonalization must be one of"):
+        orthogonalize_batches_([torch.randn(1, 4, 2)], "qr")
+
+
+@given(m=st.integers(1, 40), r=st.integers(1, 6), seed=st.integers(0, 2**16), scale=st.sampled_from([1e-20, 1.0, 1e20]))
+@settings(max_examples=40, deadline=None)
+def test_householder_torch_is_lapacks_q(m, r, seed, scale):
+    """The torch twin of cuda_ext's Householder QR has LAPACK's sign convention: on a
+    full-rank input its Q is torch.linalg.qr's, to rounding."""
+    r = min(r, m)
+    a = torch.randn(2, m, r, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
+    q = householder_torch(a)
+    torch.testing.assert_close(q, torch.linalg.qr(a).Q, rtol=0, atol=1e-10)
+    q32 = householder_torch(a.float())
+    assert q32.dtype == torch.float32 and _orthonormality_error(q32[0]) <= 1e-5
+
+
+def test_householder_torch_zero_columns_become_unit_columns():
+    a = torch.randn(1, 9, 3)
+    a[0, :, 1] = 0
+    (q,) = householder_torch(a)
+    assert torch.isfinite(q).all() and _orthonormality_error(q) <= 1e-5 and _same_span(a[0], q) <= 1e-5
+    assert torch.equal(householder_torch(torch.zeros(2, 5, 3)), torch.eye(5, 3).expand(2, 5, 3))

@@ -224,6 +224,17 @@ class DeadNet(torch.nn.Module):
 
 
 def _ddp_hook_checks(rank, n):
+    """:func:`_ddp_hook_checks_on_cpu`, with torch's hook made to run on CPU tensors on a
+    machine with a GPU: it calls ``torch.cuda.synchronize(device)`` whenever CUDA is
+    available, and torch refuses a CPU device there (a torch bug; see
+    ``benchmarks/powersgd_benchmark.py``). Without a GPU the guard changes nothing."""
+    from benchmarks.powersgd_benchmark import guard_cuda_synchronize_for_cpu
+
+    with guard_cuda_synchronize_for_cpu():
+        return _ddp_hook_checks_on_cpu(rank, n)
+
+
+def _ddp_hook_checks_on_cpu(rank, n):
     """Our hook against torch's powerSGD_hook on the same gradients. From the same Q's and
     errors both define the same update for the compressed tensors.
 

@@ -39,6 +39,16 @@ Variants (seed 000 §3.4, §4.1.2):
   ``p.grad`` back (uncompressed gradients are zeroed there). **Do not call
   ``optimizer.zero_grad()``** in this mode: it would erase the error. The algorithm
   checks before each forward and raises if the gradients were set to None or zeroed.
+
+On CUDA no hook and no op waits for the GPU, with two exceptions that need a value on
+the host: ``async_error="adaptive"`` reads the agreed "late" flag (the slice length is
+a Python int that slices the error buffer), waiting for the P allreduce only, not for
+the rest of the bucket's work queued behind it; and ``error_in_grad``'s zero_grad
+guard reads one probed gradient entry, copied asynchronously before the forward and
+read after backward (so on CUDA a zeroed gradient is reported at the end of that
+backward, before ``optimizer.step()``; on CPU before the forward, as the check runs).
+The orthogonalization's compiled module is loaded (on a GPU built, the first time)
+when the buckets are set up, not in the first step.
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ import threading
 
 import torch
 
+from ..compression import orthogonalization
 from ..compression import powersgd as psgd
 from ..compression.orthogonalization import METHODS as ORTHOGONALIZATION_METHODS
 from ..compression.orthogonalization import DEFAULT_EPSILON
@@ -93,6 +104,7 @@ class PowerSGDAlgorithmImpl(AlgorithmImpl):
         self._nesterov_backup: dict = {}
         self._approx_buffers: dict = {}
         self._probes: dict = {}
+        self._erased_checks: list = []
         self._error_held = False
         self._nesterov_moved = False
         self._lock = threading.Lock()
@@ -114,6 +126,8 @@ class PowerSGDAlgorithmImpl(AlgorithmImpl):
             )
         shapes = [tuple(t.bagua_getter_closure().shape) for t in bucket.tensors]
         plan = psgd.make_plan(shapes, self.rank_r, self.settings.min_compression_rate)
+        if plan.groups:
+            orthogonalization.prepare(self.options.orthogonalization, bucket.device)
         self._plans[bucket.name] = plan
         self._compressed_params[bucket.name] = [(i, bucket.tensors[i]) for i in plan.compressed]
         if bucket.state.get("plan_shapes") != [list(s) for s in shapes]:
@@ -153,10 +167,12 @@ class PowerSGDAlgorithmImpl(AlgorithmImpl):
         late = None
         if self.settings.async_error is not None:
             handle = self._async_handles.pop(bucket.name, None)
-            late = torch.zeros(1, dtype=torch.float32, device=flat.device)
+            if self.settings.async_error == "adaptive":
+                # Whether this worker's last transfer had not finished (a host-side query,
+                # no wait); it rides the P allreduce, so every worker learns whether any was.
+                is_late = handle is not None and not handle.is_completed()
+                late = torch.full((1,), 1.0 if is_late else 0.0, dtype=torch.float32, device=flat.device)
             if handle is not None:
-                if not handle.is_completed():
-                    late.fill_(1.0)
                 handle.wait()
         grads = self._grads(bucket, flat)
         out = None
@@ -180,7 +196,10 @@ class PowerSGDAlgorithmImpl(AlgorithmImpl):
         if not self.options.error_in_grad:
             bucket.write_flat(flat)
         if self.settings.async_error is not None and plan.error_numel:
-            sent += self._start_error_average(bucket, late is not None and float(late[0]) > 0)
+            # adaptive: the slice length is a Python int, so the agreed flag is read on the
+            # host; on CUDA this waits for the P allreduce (an event), not for the whole step.
+            someone_late = late is not None and float(result.p_extra_on_host()[0]) > 0
+            sent += self._start_error_average(bucket, someone_late)
         self._count(step, sent, grad_bytes)
 
     def _start_error_average(self, bucket, someone_late: bool) -> int:
@@ -243,14 +262,19 @@ class PowerSGDAlgorithmImpl(AlgorithmImpl):
                 self._check_error_kept(bagua_ddp)
             if self.settings.nesterov and self._compressing(bagua_ddp) and self.options.error_feedback:
                 self.wait_async_error()
-                with torch.no_grad():
-                    for bucket in bagua_ddp.bagua_buckets:
-                        for index, param in self._compressed_params[bucket.name]:
-                            backup = self._nesterov_backup.get(id(param))
-                            if backup is None or backup.shape != param.shape:
-                                backup = self._nesterov_backup[id(param)] = torch.empty_like(param)
-                            backup.copy_(param)
-                            param.sub_(self._error_of(bucket, index, param), alpha=self.settings.nesterov)
+                params, backups, errors = [], [], []
+                for bucket in bagua_ddp.bagua_buckets:
+                    for index, param in self._compressed_params[bucket.name]:
+                        backup = self._nesterov_backup.get(id(param))
+                        if backup is None or backup.shape != param.shape:
+                            backup = self._nesterov_backup[id(param)] = torch.empty_like(param)
+                        params.append(param)
+                        backups.append(backup)
+                        errors.append(self._error_of(bucket, index, param))
+                if params:
+                    with torch.no_grad():  # w ← w − λ_n·e, a copy of w kept (one _foreach op each)
+                        torch._foreach_copy_(backups, params)
+                        torch._foreach_sub_(params, errors, alpha=self.settings.nesterov)
                 self._nesterov_moved = True
 
         return hook
@@ -262,10 +286,13 @@ class PowerSGDAlgorithmImpl(AlgorithmImpl):
             finally:
                 if getattr(self, "_nesterov_moved", False):
                     self._nesterov_moved = False
-                    with torch.no_grad():
-                        for bucket in bagua_ddp.bagua_buckets:
-                            for _, param in self._compressed_params[bucket.name]:
-                                param.copy_(self._nesterov_backup[id(param)])
+                    params = [param for bucket in bagua_ddp.bagua_buckets
+                              for _, param in self._compressed_params[bucket.name]]
+                    if params:
+                        with torch.no_grad():
+                            torch._foreach_copy_(params, [self._nesterov_backup[id(p)] for p in params])
+            if self.options.error_in_grad:
+                self._report_erased_error()
             if self.options.error_in_grad and self._compressing(bagua_ddp):
                 for bucket in bagua_ddp.bagua_buckets:
                     entry = self._approx_buffers.get(bucket.name)
@@ -298,34 +325,58 @@ class PowerSGDAlgorithmImpl(AlgorithmImpl):
                     plan = self._plans[bucket.name]
                     for tensor, grad in zip(bucket.tensors, grads):
                         tensor.bagua_setter_closure(grad)
-                    for i in plan.uncompressed:
-                        grads[i].zero_()
-                    if self.options.error_decay != 1.0:
-                        for i in plan.compressed:
-                            grads[i].mul_(self.options.error_decay)
+                    if plan.uncompressed:
+                        torch._foreach_zero_([grads[i] for i in plan.uncompressed])
+                    if self.options.error_decay != 1.0 and plan.compressed:
+                        torch._foreach_mul_([grads[i] for i in plan.compressed], self.options.error_decay)
                     if plan.compressed:
+                        # The probe: the largest error entry of the first compressed tensor
+                        # (position and "was it nonzero" stay on the device: no host wait).
                         first = grads[plan.compressed[0]].reshape(-1)
-                        k = int(first.abs().argmax())
-                        self._probes[bucket.name] = (plan.compressed[0], k, bool(first[k] != 0))
+                        k = first.abs().argmax().view(1)
+                        self._probes[bucket.name] = (plan.compressed[0], k, first.index_select(0, k) != 0)
             self._error_held = True
 
         return hook
 
     def _check_error_kept(self, bagua_ddp) -> None:
-        """error_in_grad: the gradients hold the error; refuse to go on if it was erased."""
-        fix = ("PowerSGDAlgorithm(error_in_grad=True) keeps the compression error in p.grad between steps; "
-               "remove optimizer.zero_grad() / module.zero_grad() from the training loop (the algorithm resets "
-               "the gradients itself after optimizer.step()), or use error_in_grad=False")
+        """error_in_grad: the gradients hold the error; refuse to go on if it was erased.
+        A gradient set to None is seen at once. Whether the probed entry was zeroed is a
+        value on the device: on CPU it is read here; on CUDA it is copied to the host
+        asynchronously and read after backward (:meth:`_report_erased_error`)."""
         for bucket in bagua_ddp.bagua_buckets:
             probe = self._probes.get(bucket.name)
             for index, param in self._compressed_params[bucket.name]:
                 if param.grad is None:
-                    raise RuntimeError(f"parameter {param.bagua_tensor_name!r} has grad None: {fix}")
-            if probe is not None and probe[2]:
-                index, k, _ = probe
-                grad = bucket.tensors[index].grad
-                if grad.data_ptr() == 0 or float(grad.reshape(-1)[k]) == 0.0:
-                    raise RuntimeError(f"the gradient of {bucket.tensors[index].bagua_tensor_name!r} was zeroed: {fix}")
+                    raise RuntimeError(f"parameter {param.bagua_tensor_name!r} has grad None: {self._ERASED_FIX}")
+            if probe is None:
+                continue
+            index, k, was_nonzero = probe
+            grad = bucket.tensors[index].grad
+            name = bucket.tensors[index].bagua_tensor_name
+            if grad.data_ptr() == 0:
+                raise RuntimeError(f"the gradient of {name!r} was zeroed: {self._ERASED_FIX}")
+            erased = (was_nonzero & (grad.reshape(-1).index_select(0, k) == 0)).view(())
+            if erased.device.type == "cuda":
+                host = torch.empty((), dtype=torch.bool, pin_memory=True)
+                host.copy_(erased, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(erased.device))
+                self._erased_checks.append((name, host, done))
+            elif bool(erased):
+                raise RuntimeError(f"the gradient of {name!r} was zeroed: {self._ERASED_FIX}")
+
+    def _report_erased_error(self) -> None:
+        """Raise for a zeroed gradient found by a check queued before this backward (CUDA)."""
+        checks, self._erased_checks = self._erased_checks, []
+        for name, host, done in checks:
+            done.synchronize()  # queued before the forward: long done by now
+            if bool(host):
+                raise RuntimeError(f"the gradient of {name!r} was zeroed: {self._ERASED_FIX}")
+
+    _ERASED_FIX = ("PowerSGDAlgorithm(error_in_grad=True) keeps the compression error in p.grad between steps; "
+                   "remove optimizer.zero_grad() / module.zero_grad() from the training loop (the algorithm resets "
+                   "the gradients itself after optimizer.step()), or use error_in_grad=False")
 
     # --- checkpointing --------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -27,11 +27,25 @@ Methods (``METHODS``):
   convention, so Q matches ``"torch_qr"`` up to rounding. Here ``epsilon`` is relative
   to the matrix's largest entry: a column whose remaining norm is below it gets a unit
   column orthogonal to the others (not a zero column as in Gram–Schmidt). When the
-  extension cannot be built or loaded, ``"torch_qr"`` (the same algorithm in torch) is
-  used instead, with one warning.
-- ``"auto"``: ``"householder"`` when the extension is already loaded (it is never
-  built just for "auto"); else on CPU ``"torch_qr"`` for r ≥ 2 and ``"gram_schmidt"``
-  for r = 1, and ``"gram_schmidt"`` on GPUs (measured: docs/benchmarks.md, issue 9).
+  extension cannot be built or loaded, the same algorithm in torch is used instead,
+  with one warning: ``torch.linalg.qr`` on CPU, and on GPUs :func:`householder_torch`
+  (the extension's math step for step, batched over every matrix of a call, so it
+  agrees with the extension to rounding, zero columns included; a column dependent
+  only up to rounding becomes some unit column in both, not necessarily the same).
+- ``"auto"``: on GPUs ``"householder"`` (the extension is built on first use; the
+  batched torch twin if it cannot be: never a loop over matrices); on CPU
+  ``"householder"`` when the extension is already loaded (it is never built just for
+  "auto" there), else ``"torch_qr"`` for r ≥ 2 and ``"gram_schmidt"`` for r = 1
+  (measured: docs/benchmarks.md, issue 9).
+
+:func:`orthogonalize_batches_` orthogonalizes several batches of different shapes in
+place in one call (what PowerSGD does with the P factors of a bucket): one kernel
+launch for all of them with the extension on CUDA.
+
+On GPUs nothing here makes the host wait for the device (no ``.item()``, no Python
+branch on a tensor's values): there ``"cholesky_qr2"`` computes its Gram–Schmidt
+fallback for every matrix and keeps it where Cholesky failed, instead of picking the
+failed matrices out on the host as it does on CPU.
 
 fp16 and bf16 inputs are computed in float32 and returned in their own dtype.
 Newton–Schulz iterations are not offered: they do not give orthonormal columns.
@@ -55,6 +69,8 @@ __all__ = [
     "gram_schmidt",
     "cholesky_qr2",
     "torch_qr",
+    "householder_torch",
+    "orthogonalize_batches_",
 ]
 
 METHODS = ("auto", "gram_schmidt", "cholesky_qr2", "torch_qr", "householder")
@@ -133,6 +149,9 @@ def cholesky_qr2(batch: torch.Tensor, epsilon: float = DEFAULT_EPSILON) -> torch
     eye = torch.eye(r, dtype=a.dtype, device=a.device)
     error = (q.transpose(-2, -1) @ q - eye).abs().amax(dim=(-2, -1))
     good = ok1 & ok2 & (error <= _ORTHONORMALITY_TOLERANCE[a.dtype]) & torch.isfinite(error)
+    if a.device.type != "cpu":
+        # No host round trip on GPUs: Gram–Schmidt for all, kept where Cholesky failed.
+        return torch.where(good.view(-1, 1, 1), q, gram_schmidt(a, epsilon))
     if not bool(good.all()):
         bad = (~good).nonzero().flatten()
         q[bad] = gram_schmidt(a[bad], epsilon)
@@ -145,6 +164,58 @@ def torch_qr(batch: torch.Tensor, epsilon: float = DEFAULT_EPSILON) -> torch.Ten
     return torch.linalg.qr(batch.to(_compute_dtype(batch.dtype)), mode="reduced").Q
 
 
+def _reflect_(block: torch.Tensor, v: torch.Tensor) -> None:
+    """block ← (I − 2 v vᵀ) block for each matrix: block (b × k × c), v (b × k)."""
+    dots = torch.bmm(v.unsqueeze(1), block)  # vᵀ block, b × 1 × c
+    block.baddbmm_(v.unsqueeze(2), dots, alpha=-2.0)
+
+
+def householder_torch(batch: torch.Tensor, epsilon: float = DEFAULT_EPSILON) -> torch.Tensor:
+    """cuda_ext's Householder QR (``cuda_ext/csrc/householder.h``) in torch, batched over
+    the matrices of ``batch`` (b × m × r); a new tensor.
+
+    The same steps: scale each matrix by the power of two that brings its largest
+    entry into [0.5, 1); reflection j sends the remaining column x to −sign(x₀)·|x|·e₀
+    (LAPACK's sign convention) and is skipped (H_j = I) when x has nothing below its
+    first entry or |x| ≤ ``epsilon``; then Q = H₀⋯H_{r−1}[I; 0] formed in place
+    (as LAPACK's orgqr). So Q equals the extension's to rounding, unit columns for
+    zero and dependent columns included. About 20·r kernels for the whole batch,
+    whatever b is, and no host synchronization.
+    """
+    w = batch.to(_compute_dtype(batch.dtype), copy=True)
+    b, m, r = w.shape
+    if w.numel() == 0:
+        return w.to(batch.dtype)
+    largest = w.abs().amax(dim=(-2, -1))
+    _, exponent = torch.frexp(largest)
+    one = torch.ones_like(largest)
+    scale = torch.where((largest > 0) & torch.isfinite(largest), torch.ldexp(one, -exponent), one)
+    w.mul_(scale.view(b, 1, 1))
+    for j in range(r):  # the reflections; v_j is kept in W[j:, j]
+        x = w[:, j:, j]
+        x0 = x[:, 0]
+        below = torch.linalg.vector_norm(x[:, 1:], dim=-1)  # √σ
+        alpha = torch.hypot(x0, below)
+        v0 = torch.where(x0 >= 0, x0 + alpha, x0 - alpha)
+        keep = (below > 0) & (alpha > epsilon)
+        inv_norm = torch.where(keep, torch.hypot(v0, below).reciprocal(), torch.zeros_like(alpha))
+        v0 = v0 * inv_norm
+        x.mul_(inv_norm.unsqueeze(-1))
+        x[:, 0] = v0
+        if j + 1 < r:
+            _reflect_(w[:, j:, j + 1 :], x)
+    for j in reversed(range(r)):  # Q = H_0 ⋯ H_{r−1} [I; 0], in place
+        v = w[:, j:, j]
+        if j + 1 < r:
+            _reflect_(w[:, j:, j + 1 :], v)
+        v0 = v[:, :1] * -2.0
+        v.mul_(v0)  # −2 v v₀ ...
+        w[:, j, j] += 1.0  # ... + e_j
+        if j:
+            w[:, :j, j] = 0.0
+    return w.to(batch.dtype)
+
+
 _BATCH_METHODS = {"gram_schmidt": gram_schmidt, "cholesky_qr2": cholesky_qr2, "torch_qr": torch_qr}
 
 
@@ -152,27 +223,37 @@ _BATCH_METHODS = {"gram_schmidt": gram_schmidt, "cholesky_qr2": cholesky_qr2, "t
 _extension_failure_warned = False
 
 
-def _householder_or_none(devices):
-    """``cuda_ext.orthogonalize`` if the extension builds and loads for every device of
-    ``devices``, else None (warned once per process)."""
+def _load_extension(devices, requested: str = "householder"):
+    """The ``cuda_ext`` package if its module builds and loads for every device of
+    ``devices``, else None (warned once per process, naming what is used instead)."""
     global _extension_failure_warned
     try:
         import cuda_ext  # a top-level package of this project
 
-        householder = None
         for device in devices:
-            householder = cuda_ext.load_orthogonalize(device)
-        return householder
+            cuda_ext.load_orthogonalize(device)
+        return cuda_ext
     except Exception as error:  # noqa: BLE001 — any build or load failure means: fall back
         if not _extension_failure_warned:
             _extension_failure_warned = True
+            on_gpu = any(torch.device(d).type != "cpu" for d in devices)
+            instead = ("a batched Householder QR in torch (householder_torch: the same math, about 20·r "
+                       "kernel launches per call instead of one)" if on_gpu
+                       else "torch.linalg.qr (the same Householder QR, in torch)")
             warnings.warn(
-                f"orthogonalization='householder': the cuda_ext extension is not available ({error}); "
-                "using torch.linalg.qr (the same Householder QR, in torch) instead",
+                f"orthogonalization={requested!r}: the cuda_ext extension is not available ({error}); "
+                f"using {instead} instead",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         return None
+
+
+def _householder_or_none(devices, requested: str = "householder"):
+    """``cuda_ext.orthogonalize`` if the extension builds and loads for every device of
+    ``devices``, else None (warned once per process)."""
+    extension = _load_extension(devices, requested)
+    return None if extension is None else extension.orthogonalize
 
 
 def _householder_loaded(devices) -> bool:
@@ -184,19 +265,35 @@ def _householder_loaded(devices) -> bool:
         return False
 
 
+def _on_gpu(devices) -> bool:
+    return bool(devices) and any(torch.device(d).type == "cuda" for d in devices)
+
+
 def _resolve(method: str, devices, rank=None) -> str:
-    """The method "auto" stands for, measured (docs/benchmarks.md, issue 9): the
-    extension when it is loaded; else, on CPU, batched ``torch.linalg.qr`` for r ≥ 2
-    (0.1–1.0× torch's per-layer loop on ResNet-18's P factors, where Gram–Schmidt was
-    0.5–5.5×) and Gram–Schmidt for r = 1 and on GPUs (where batched QR is slow)."""
+    """The method "auto" stands for. On GPUs the compiled Householder QR (one launch for
+    all matrices; where it cannot be built, its batched torch twin). On CPU, measured
+    (docs/benchmarks.md, issue 9): the extension when it is already loaded; else
+    batched ``torch.linalg.qr`` for r ≥ 2 (0.1–1.0× torch's per-layer loop on
+    ResNet-18's P factors, where Gram–Schmidt was 0.5–5.5×) and Gram–Schmidt for r = 1."""
     check_method(method)
     if method == "auto":
-        if devices and _householder_loaded(devices):
+        if _on_gpu(devices) or (devices and _householder_loaded(devices)):
             return "householder"
         if rank is not None and rank >= 2 and all(torch.device(d).type == "cpu" for d in devices):
             return "torch_qr"
         return "gram_schmidt"
     return method
+
+
+def prepare(method: str, device) -> str:
+    """Load (on GPUs: build, the first time) what ``method`` needs on ``device`` before
+    the first step, so a training step never waits for a compiler; returns the method
+    "auto" stands for there (for r ≥ 2)."""
+    device = torch.device(device)
+    resolved = _resolve(method, {device}, 2)
+    if resolved == "householder":
+        _load_extension({device}, method)
+    return resolved
 
 
 # --- entry points ------------------------------------------------------------------------
@@ -213,6 +310,11 @@ def _describe(value) -> str:
     return repr(value)
 
 
+def _fallback(device) -> str:
+    """What stands in for the extension on ``device``: the same Householder QR in torch."""
+    return "torch_qr" if torch.device(device).type == "cpu" else "householder_torch"
+
+
 def orthogonalize_batch(batch: torch.Tensor, method: str = "auto", epsilon: float = DEFAULT_EPSILON) -> torch.Tensor:
     """Orthogonalize every matrix of ``batch`` (b × m × r); a new tensor in ``batch``'s dtype."""
     epsilon = _check_epsilon(epsilon)
@@ -220,15 +322,100 @@ def orthogonalize_batch(batch: torch.Tensor, method: str = "auto", epsilon: floa
         raise ValueError(f"batch must be a 3-D floating-point tensor (b × m × r), got {_describe(batch)}")
     if batch.shape[2] > batch.shape[1]:
         raise ValueError(f"batch must hold m × r matrices with r ≤ m, got shape {tuple(batch.shape)}")
+    requested = method
     method = _resolve(method, {batch.device}, batch.shape[2])
     if batch.numel() == 0:
         return batch.clone()
     if method == "householder":
-        householder = _householder_or_none({batch.device})
-        if householder is not None:
-            return torch.stack(householder(list(batch.unbind(0)), epsilon=epsilon))
-        method = "torch_qr"
+        extension = _load_extension({batch.device}, requested)
+        if extension is not None:
+            out = batch.clone(memory_format=torch.contiguous_format)
+            extension.orthogonalize_batches_([out], epsilon=epsilon)
+            return out
+        method = _fallback(batch.device)
+    if method == "householder_torch":
+        return householder_torch(batch, epsilon)
     return _BATCH_METHODS[method](batch, epsilon).to(batch.dtype)
+
+
+def _check_batches(batches) -> List[torch.Tensor]:
+    if torch.is_tensor(batches) or not isinstance(batches, Sequence):
+        raise ValueError(f"batches must be a list of 3-D tensors, got {type(batches).__name__}")
+    batches = list(batches)
+    for index, batch in enumerate(batches):
+        if not torch.is_tensor(batch) or batch.dim() != 3 or not batch.is_floating_point():
+            raise ValueError(f"batches[{index}] must be a 3-D floating-point tensor (b × m × r), got {_describe(batch)}")
+        if batch.shape[2] > batch.shape[1]:
+            raise ValueError(f"batches[{index}] must hold m × r matrices with r ≤ m, got shape {tuple(batch.shape)}")
+        if batch.device != batches[0].device:
+            raise ValueError(f"batches[{index}] is on {batch.device} but batches[0] is on {batches[0].device}; "
+                             "one call takes tensors of one device")
+    return batches
+
+
+def _householder_torch_batches_(batches: Sequence[torch.Tensor], epsilon: float) -> None:
+    """:func:`householder_torch` on several batches in one go: batches whose row counts
+    round up to the same power of two (and with the same r and dtype) are zero-padded
+    into one batch. Zero rows change no reflection (each v_j is zero there), so Q is
+    the unpadded Q with zero rows below; padding at most doubles the rows."""
+    classes: Dict[tuple, List[torch.Tensor]] = defaultdict(list)
+    for batch in batches:
+        b, m, r = batch.shape
+        if batch.numel():
+            classes[(1 << (m - 1).bit_length(), r, batch.dtype)].append(batch)
+    for (rows, r, dtype), members in classes.items():
+        if len(members) == 1:
+            members[0].copy_(householder_torch(members[0], epsilon))
+            continue
+        total = sum(batch.shape[0] for batch in members)
+        padded = torch.zeros(total, rows, r, dtype=_compute_dtype(dtype), device=members[0].device)
+        offset = 0
+        for batch in members:
+            padded[offset : offset + batch.shape[0], : batch.shape[1]].copy_(batch)
+            offset += batch.shape[0]
+        q = householder_torch(padded, epsilon)
+        offset = 0
+        for batch in members:
+            batch.copy_(q[offset : offset + batch.shape[0], : batch.shape[1]])
+            offset += batch.shape[0]
+
+
+def orthogonalize_batches_(batches: Sequence[torch.Tensor], method: str = "auto",
+                           epsilon: float = DEFAULT_EPSILON) -> List[torch.Tensor]:
+    """Orthogonalize, in place, every matrix of every batch (b_k × m_k × r_k, r_k ≤ m_k,
+    one device, any mix of shapes and floating dtypes); returns ``batches``.
+
+    What PowerSGD does with a bucket's P factors (one batch per shape, views into the
+    buffer that was allreduced). With the extension ("householder", or "auto" on GPUs)
+    this is one call for all batches: one kernel launch on CUDA. Else each batch is
+    done by the method "auto" picks for it (on CPU) or by the batched torch twin of the
+    extension (on GPUs); results are written back into the batches.
+    """
+    epsilon = _check_epsilon(epsilon)
+    batches = _check_batches(batches)
+    check_method(method)
+    work = [batch for batch in batches if batch.numel()]
+    if not work:
+        return batches
+    device = work[0].device
+    requested = method
+    resolved = _resolve(method, {device}, None)
+    if requested == "auto" and resolved != "householder":
+        for batch in work:  # on CPU each shape picks by its rank (orthogonalize_batch)
+            batch.copy_(orthogonalize_batch(batch, "auto", epsilon))
+        return batches
+    if resolved == "householder":
+        extension = _load_extension({device}, requested)
+        if extension is not None:
+            extension.orthogonalize_batches_(work, epsilon=epsilon)
+            return batches
+        resolved = _fallback(device)
+    if resolved == "householder_torch":
+        _householder_torch_batches_(work, epsilon)
+        return batches
+    for batch in work:
+        batch.copy_(_BATCH_METHODS[resolved](batch, epsilon))
+    return batches
 
 
 def orthogonalize(
@@ -255,10 +442,10 @@ def orthogonalize(
     if requested == "auto" and method != "householder":
         method = "auto"  # each same-shape group picks by its rank (orthogonalize_batch)
     if method == "householder":
-        householder = _householder_or_none(devices)
+        householder = _householder_or_none(devices, requested)
         if householder is not None:
             return list(householder(matrices, epsilon=epsilon))
-        method = "torch_qr"
+        method = "torch_qr" if not _on_gpu(devices) else "householder"  # orthogonalize_batch falls back per device
     groups: Dict[tuple, List[int]] = defaultdict(list)
     for index, matrix in enumerate(matrices):
         groups[(tuple(matrix.shape), matrix.dtype, matrix.device)].append(index)

@@ -1,15 +1,103 @@
-// Python binding: orthogonalize(matrices, epsilon) -> list of Q factors.
+// Python bindings and the input checks, shared by the CPU and the CUDA module:
+//
+//   orthogonalize(matrices, epsilon) -> list of Q factors (new tensors)
+//   orthogonalize_batches_(batches, epsilon) -> None (each b x m x r batch in place)
+//
+// Both check everything first (check_epsilon, check_matrices / check_batches), then
+// dispatch on the device, so a bad input is the same ValueError on every device and
+// nothing is launched or allocated for it. cuda_ext/__init__.py has the same checks
+// in Python with the same words (tests/test_cuda_ext.py compares them).
 #include "orthogonalize.h"
 
+#include <ATen/MemoryOverlap.h>
+
+#include <cctype>
+#include <cmath>
+#include <sstream>
+#include <string>
+
+namespace bagua_householder {
 namespace {
 
-std::vector<at::Tensor> orthogonalize(const std::vector<at::Tensor>& matrices, double epsilon) {
-  if (matrices.empty()) return {};
-  if (matrices[0].device().is_cpu()) return bagua_householder::orthogonalize_cpu(matrices, epsilon);
+// torch's Python name of a dtype ("torch.int64"), as the Python checks print it.
+std::string python_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kLong: return "torch.int64";
+    case at::kInt: return "torch.int32";
+    case at::kShort: return "torch.int16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kBool: return "torch.bool";
+    case at::kComplexHalf: return "torch.complex32";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    default: {
+      std::string name = c10::toString(t);
+      for (auto& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+      return "torch." + name;
+    }
+  }
+}
+
+// A shape as Python prints a tuple: (2, 3), (4,), ().
+std::string python_shape(const at::Tensor& a) {
+  std::ostringstream out;
+  out << "(";
+  for (int64_t d = 0; d < a.dim(); ++d) out << (d ? ", " : "") << a.size(d);
+  if (a.dim() == 1) out << ",";
+  out << ")";
+  return out.str();
+}
+
+bool supported_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+void check_epsilon(double epsilon) {
+  TORCH_CHECK_VALUE(std::isfinite(epsilon) && epsilon >= 0, "epsilon must be a finite number >= 0, got ", epsilon);
+}
+
+// `what` is "matrices" (2-D, m x r) or "batches" (3-D, b x m x r): the first bad one is named.
+void check_tensors(const std::vector<at::Tensor>& tensors, const char* what, int64_t dims) {
+  const char* layout = dims == 2 ? "(m x r)" : "(b x m x r)";
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& a = tensors[i];
+    const std::string name = std::string(what) + "[" + std::to_string(i) + "]";
+    TORCH_CHECK_VALUE(a.defined(), name, " must be a tensor, got an undefined tensor");
+    TORCH_CHECK_VALUE(a.dim() == dims, name, " must be a ", dims, "-D tensor ", layout, ", got a ", a.dim(),
+                      "-D tensor");
+    TORCH_CHECK_VALUE(supported_dtype(a.scalar_type()), name, " must be float32, float64, float16 or bfloat16, got ",
+                      python_dtype(a.scalar_type()));
+    TORCH_CHECK_VALUE(a.size(dims - 1) <= a.size(dims - 2), name,
+                      " must have no more columns than rows (r <= m), got shape ", python_shape(a));
+    TORCH_CHECK_VALUE(a.device() == tensors[0].device(), name, " is on ", a.device(), " but ", what, "[0] is on ",
+                      tensors[0].device(), "; one call takes tensors of one device");
+  }
+}
+
+void check_batches_writable(const std::vector<at::Tensor>& batches) {
+  for (size_t i = 0; i < batches.size(); ++i) {
+    TORCH_CHECK_VALUE(at::has_internal_overlap(batches[i]) != at::MemOverlap::Yes, "batches[", i,
+                      "] has elements that share memory (e.g. an expanded tensor); it is written in place");
+    for (size_t j = 0; j < i; ++j) {
+      if (batches[i].numel() == 0 || batches[j].numel() == 0) continue;
+      const auto status = at::get_overlap_status(batches[i], batches[j]);
+      TORCH_CHECK_VALUE(status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial, "batches[",
+                        i, "] and batches[", j, "] share memory; each batch is written in place");
+    }
+  }
+}
+
+void dispatch(std::vector<Job>& jobs, const at::Device& device, double epsilon) {
+  if (device.is_cpu()) return run_cpu(jobs, epsilon);
 #ifdef BAGUA_WITH_CUDA
-  if (matrices[0].device().is_cuda()) return bagua_householder::orthogonalize_cuda(matrices, epsilon);
+  if (device.is_cuda()) return run_cuda(jobs, device, epsilon);
 #endif
-  TORCH_CHECK_VALUE(false, "matrices[0] is on ", matrices[0].device(), ", which this build does not support (",
+  TORCH_CHECK_VALUE(false, "the tensors are on ", device, ", which this build does not support (",
 #ifdef BAGUA_WITH_CUDA
                     "cpu or cuda"
 #else
@@ -18,12 +106,74 @@ std::vector<at::Tensor> orthogonalize(const std::vector<at::Tensor>& matrices, d
                     ")");
 }
 
+std::vector<at::Tensor> orthogonalize(const std::vector<at::Tensor>& matrices, double epsilon) {
+  check_epsilon(epsilon);
+  check_tensors(matrices, "matrices", 2);
+  if (matrices.empty()) return {};
+  std::vector<at::Tensor> outputs;
+  std::vector<Job> jobs;
+  outputs.reserve(matrices.size());
+  jobs.reserve(matrices.size());
+  for (const auto& a : matrices) {
+    outputs.push_back(at::empty({a.size(0), a.size(1)}, a.options().memory_format(at::MemoryFormat::Contiguous)));
+    jobs.push_back(Job{describe(a, outputs.back()), a.scalar_type()});
+  }
+  dispatch(jobs, matrices[0].device(), epsilon);
+  return outputs;
+}
+
+void orthogonalize_batches_(const std::vector<at::Tensor>& batches, double epsilon) {
+  check_epsilon(epsilon);
+  check_tensors(batches, "batches", 3);
+  check_batches_writable(batches);
+  if (batches.empty()) return;
+  std::vector<Job> jobs;
+  for (const auto& batch : batches) {
+    for (int64_t j = 0; j < batch.size(0); ++j) jobs.push_back(Job{describe_in_place(batch, j), batch.scalar_type()});
+  }
+  if (jobs.empty()) return;
+  dispatch(jobs, batches[0].device(), epsilon);
+}
+
 }  // namespace
+
+MatrixDesc describe(const at::Tensor& input, const at::Tensor& output) {
+  MatrixDesc d;
+  d.input = input.data_ptr();
+  d.output = output.data_ptr();
+  d.rows = input.size(0);
+  d.cols = input.size(1);
+  d.in_row_stride = input.stride(0);
+  d.in_col_stride = input.stride(1);
+  d.out_row_stride = output.stride(0);
+  d.out_col_stride = output.stride(1);
+  d.work_offset = 0;
+  return d;
+}
+
+MatrixDesc describe_in_place(const at::Tensor& batch, int64_t index) {
+  MatrixDesc d;
+  void* data = static_cast<char*>(batch.data_ptr()) + index * batch.stride(0) * batch.element_size();
+  d.input = data;
+  d.output = data;
+  d.rows = batch.size(1);
+  d.cols = batch.size(2);
+  d.in_row_stride = d.out_row_stride = batch.stride(1);
+  d.in_col_stride = d.out_col_stride = batch.stride(2);
+  d.work_offset = 0;
+  return d;
+}
+
+}  // namespace bagua_householder
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Batched Householder orthogonalization (bagua-algos cuda_ext)";
-  m.def("orthogonalize", &orthogonalize, "Q factors (orthonormal columns) of a list of m x r matrices",
-        pybind11::arg("matrices"), pybind11::arg("epsilon"));
+  m.def("orthogonalize", &bagua_householder::orthogonalize,
+        "Q factors (orthonormal columns) of a list of m x r matrices, as new tensors", pybind11::arg("matrices"),
+        pybind11::arg("epsilon"));
+  m.def("orthogonalize_batches_", &bagua_householder::orthogonalize_batches_,
+        "Each matrix of each b x m x r batch replaced by its Q factor, in place (one launch on CUDA)",
+        pybind11::arg("batches"), pybind11::arg("epsilon"));
 #ifdef BAGUA_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

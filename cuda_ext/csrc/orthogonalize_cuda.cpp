@@ -1,4 +1,4 @@
-// CUDA path, host side: checks, one reusable device workspace per (device, stream),
+// CUDA path, host side (inputs checked in bindings.cpp): one reusable device workspace per (device, stream),
 // the descriptors copied in one asynchronous transfer, one kernel launch per dtype
 // present (one launch in all for the usual single-dtype call).
 #include "orthogonalize.h"
@@ -62,18 +62,14 @@ struct Group {
 
 }  // namespace
 
-std::vector<at::Tensor> orthogonalize_cuda(const std::vector<at::Tensor>& matrices, double epsilon) {
-  TORCH_CHECK_VALUE(std::isfinite(epsilon) && epsilon >= 0, "epsilon must be a finite number >= 0, got ", epsilon);
-  std::vector<at::Tensor> outputs = check_and_allocate(matrices);
-  const at::Device device = matrices[0].device();
-  TORCH_CHECK_VALUE(device.is_cuda(), "matrices[0] must be a CUDA tensor here, got ", device);
+void run_cuda(std::vector<Job>& jobs, const at::Device& device, double epsilon) {
   c10::cuda::CUDAGuard guard(device);
   const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(device.index());
 
   // Group by dtype (one kernel instantiation each), keeping the call's order inside.
   std::vector<Group> groups;
-  for (int64_t i = 0; i < static_cast<int64_t>(matrices.size()); ++i) {
-    const at::ScalarType t = matrices[i].scalar_type();
+  for (int64_t i = 0; i < static_cast<int64_t>(jobs.size()); ++i) {
+    const at::ScalarType t = jobs[i].dtype;
     Group* g = nullptr;
     for (auto& candidate : groups) if (candidate.dtype == t) g = &candidate;
     if (g == nullptr) {
@@ -88,7 +84,7 @@ std::vector<at::Tensor> orthogonalize_cuda(const std::vector<at::Tensor>& matric
     const int64_t acc_size = g.dtype == at::kDouble ? 8 : 4;
     g.desc_offset = bytes;
     for (int64_t i : g.members) {
-      MatrixDesc d = describe(matrices[i], outputs[i]);
+      MatrixDesc d = jobs[i].desc;
       d.work_offset = g.work_total;
       g.work_total += d.rows * d.cols;
       g.max_work = std::max(g.max_work, d.rows * d.cols);
@@ -100,7 +96,7 @@ std::vector<at::Tensor> orthogonalize_cuda(const std::vector<at::Tensor>& matric
     g.work_offset = bytes;
     if (!g.shared) bytes = align_up(bytes + g.work_total * acc_size);
   }
-  if (packed.empty() || bytes == 0) return outputs;
+  if (packed.empty() || bytes == 0) return;
 
   // Descriptors: staged in pinned memory from torch's caching host allocator and copied
   // without blocking; the allocator keeps the pinned block until the copy has run.
@@ -124,11 +120,10 @@ std::vector<at::Tensor> orthogonalize_cuda(const std::vector<at::Tensor>& matric
     plan.shared_bytes = g.shared ? static_cast<size_t>(g.max_work * acc_size) : 0;
     plan.global_work = g.shared ? nullptr : base + g.work_offset;
     plan.epsilon = epsilon;
-    if (g.max_work == 0) continue;  // only empty matrices: outputs are empty already
+    if (g.max_work == 0) continue;  // only empty matrices: nothing to write
     const char* error = launch_orthogonalize(dtype_code(g.dtype), plan, stream.stream());
     TORCH_CHECK(error == nullptr, "cuda_ext orthogonalize: kernel launch failed: ", error);
   }
-  return outputs;
 }
 
 }  // namespace bagua_householder

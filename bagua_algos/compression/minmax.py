@@ -183,12 +183,13 @@ def _blocks(rows: int, n: int):
 def _row_minmax(x: torch.Tensor):
     """Per-row min and max as float32 (min of the float32 casts = cast of the min,
     rounding being monotonic), zeros made +0.0 (adding +0.0 maps -0.0 to +0.0 and
-    leaves every other value alone)."""
+    leaves every other value alone), and whether a row has a NaN/inf value (0-dim)."""
     if x.device.type == "cpu" and x.shape[1] >= _BLOCK:  # 10x faster than dim=1 there
         mn, mx = torch.stack([torch.stack(torch.aminmax(row)) for row in x]).unbind(1)
     else:
         mn, mx = torch.aminmax(x, dim=1)
-    return mn.float().add_(0.0), mx.float().add_(0.0)
+    mn, mx = mn.float().add_(0.0), mx.float().add_(0.0)
+    return mn, mx, ~(torch.isfinite(mn) & torch.isfinite(mx)).all()
 
 
 def _levels(x: torch.Tensor, mn: torch.Tensor, gap: torch.Tensor, out: torch.Tensor):
@@ -299,21 +300,18 @@ def _encode_rows(
         zeros = torch.zeros(rows, dtype=torch.float32, device=x.device)
         return _headers(bits, 0, zeros, zeros)
     kernels = _kernels(x)
-    mn, mx = kernels.row_minmax(x) if kernels is not None else _row_minmax(x)
-    bad = ~(torch.isfinite(mn) & torch.isfinite(mx))
-    if non_finite == "raise":
-        if bool(bad.any()):  # on CUDA the encoder's one host synchronisation
-            r = int(bad.nonzero()[0, 0])
-            if x.dtype == torch.float64 and bool(torch.isfinite(x[r]).all()):
-                raise ValueError(f"{name(r)} has values outside the float32 range")
-            raise ValueError(f"{name(r)} has NaN/inf values")
-        mark = None
-    else:
-        mark = bad.any()  # every chunk becomes the mark
+    mn, mx, bad = kernels.row_minmax(x) if kernels is not None else _row_minmax(x)
+    # bad: a NaN/inf value somewhere; with "raise" refused (on CUDA the encoder's one
+    # host synchronisation), with "mark" every chunk becomes the mark
+    if non_finite == "raise" and bool(bad):
+        r = int((~(torch.isfinite(mn) & torch.isfinite(mx))).nonzero()[0, 0])
+        if x.dtype == torch.float64 and bool(torch.isfinite(x[r]).all()):
+            raise ValueError(f"{name(r)} has values outside the float32 range")
+        raise ValueError(f"{name(r)} has NaN/inf values")
     if kernels is not None:
-        return kernels.encode_rows(x, mn, mx, mark, bits, tail, stochastic, generator)
+        return kernels.encode_rows(x, mn, mx, bad, bits, tail, stochastic, generator)
     size = encoded_size(n, bits)
-    if mark is not None and bool(mark):
+    if bool(bad):
         return torch.zeros((rows, size), dtype=torch.uint8, device=x.device)
     out = torch.empty((rows, size), dtype=torch.uint8, device=x.device)
     out[:, :HEADER_BYTES] = _headers(bits, tail, mn, mx)

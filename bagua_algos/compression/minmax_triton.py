@@ -6,9 +6,8 @@ path's, and so do the decoded values (fused multiply-adds are turned off, so
 needs the host to look at the data:
 
 - ``_minmax_kernel``: grid (rows, parts); each program reduces a stretch of its row
-  (cast to float32) to a min, a max and whether it saw a NaN. Two small torch
-  reductions over the parts give each row's min and max, and the rows' "any value
-  non-finite" flag, on the device.
+  (cast to float32) to a min, a max and whether it saw a NaN; ``_minmax_finish_kernel``
+  reduces the parts to each row's min and max and the flag "a value is NaN/inf".
 - ``_encode_kernel``: grid (rows, payload blocks); each program reads its row's min
   and max, quantizes its values (nearest or stochastic), packs 8 // b of them a byte
   and stores the bytes; the first program of a row also writes the header. With the
@@ -18,7 +17,8 @@ needs the host to look at the data:
   header, checks it is a b-bit encoding of n values (else the row decodes to NaN),
   unpacks its bytes and dequantizes.
 
-An encode reads the input twice (min/max, then quantization) and writes the payload;
+An encode is three launches (four with stochastic rounding: the seed), a decode one;
+nothing else runs on the device between them. An encode reads the input twice (min/max, then quantization) and writes the payload;
 a decode reads the payload and writes the values: 1.75× the bytes of a copy of the
 input at 8 bits, less below.
 
@@ -50,22 +50,25 @@ import torch
 import triton
 import triton.language as tl
 
-HEADER_BYTES = 10
+from .minmax import HEADER_BYTES
+
 _VALUES_PER_PROGRAM = 4096  # encode/decode: values a program handles
 _MINMAX_BLOCK = 2048  # values a min/max program loads at a time
 _MAX_PARTS = 1024  # min/max programs, all rows together (enough to fill a GPU)
 
 
 @triton.jit
-def _minmax_kernel(x_ptr, lo_ptr, hi_ptr, n, stride, span, parts, BLOCK: tl.constexpr):
+def _minmax_kernel(x_ptr, lo_ptr, hi_ptr, bad_ptr, n, stride, span, parts, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     part = tl.program_id(1)
+    if (row == 0) & (part == 0):
+        tl.store(bad_ptr, 0)  # raised by _minmax_finish_kernel, which runs after this one
     base = x_ptr + row.to(tl.int64) * stride
     start = part * span
     end = tl.minimum(start + span, n)
     lo = tl.full([BLOCK], float("inf"), tl.float32)
     hi = tl.full([BLOCK], float("-inf"), tl.float32)
-    nan = tl.zeros([BLOCK], tl.int32)
+    nan = tl.full([BLOCK], 0, tl.int32)
     for c in range(start, end, BLOCK):
         offs = c + tl.arange(0, BLOCK)
         m = offs < end
@@ -79,9 +82,30 @@ def _minmax_kernel(x_ptr, lo_ptr, hi_ptr, n, stride, span, parts, BLOCK: tl.cons
     tl.store(hi_ptr + out, tl.where(saw_nan, float("nan"), tl.max(hi, axis=0)))
 
 
+@triton.jit
+def _minmax_finish_kernel(lo_ptr, hi_ptr, mn_ptr, mx_ptr, bad_ptr, rows, parts,
+                          ROWS: tl.constexpr, PARTS: tl.constexpr):
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    part = tl.arange(0, PARTS)
+    m = (row[:, None] < rows) & (part[None, :] < parts)
+    at = row[:, None] * parts + part[None, :]
+    lo = tl.load(lo_ptr + at, mask=m, other=float("inf"))
+    hi = tl.load(hi_ptr + at, mask=m, other=float("-inf"))
+    nan = tl.max(((lo != lo) | (hi != hi)).to(tl.int32), axis=1) > 0
+    mn = tl.where(nan, float("nan"), tl.min(lo, axis=1))
+    mx = tl.where(nan, float("nan"), tl.max(hi, axis=1))
+    mn = tl.where(mn == 0.0, 0.0, mn)  # a zero is +0.0, as on the torch path
+    mx = tl.where(mx == 0.0, 0.0, mx)
+    tl.store(mn_ptr + row, mn, mask=row < rows)
+    tl.store(mx_ptr + row, mx, mask=row < rows)
+    finite = (tl.abs(mn) < float("inf")) & (tl.abs(mx) < float("inf"))  # False for NaN too
+    tl.atomic_max(bad_ptr, tl.max(((row < rows) & (finite == 0)).to(tl.int32), axis=0))
+
+
 def row_minmax(x: torch.Tensor):
     """Per-row float32 min and max of the 2-D tensor ``x`` (NaN where a row has one),
-    zeros as +0.0, on the device."""
+    zeros as +0.0, and a 0-dim int32 tensor, nonzero when a row has a NaN/inf value;
+    all on the device, in two launches."""
     rows, n = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -90,9 +114,15 @@ def row_minmax(x: torch.Tensor):
     parts = triton.cdiv(n, span)
     lo = torch.empty((rows, parts), dtype=torch.float32, device=x.device)
     hi = torch.empty_like(lo)
-    _minmax_kernel[(rows, parts)](x, lo, hi, n, x.stride(0), span, parts, BLOCK=_MINMAX_BLOCK)
-    # amin/amax propagate NaN; adding +0.0 makes a zero +0.0 (as the torch path)
-    return lo.amin(1).add_(0.0), hi.amax(1).add_(0.0)
+    mn = torch.empty(rows, dtype=torch.float32, device=x.device)
+    mx = torch.empty_like(mn)
+    bad = torch.empty((), dtype=torch.int32, device=x.device)
+    _minmax_kernel[(rows, parts)](x, lo, hi, bad, n, x.stride(0), span, parts, BLOCK=_MINMAX_BLOCK)
+    width = triton.next_power_of_2(parts)
+    block_rows = max(1, _MINMAX_BLOCK // width)
+    _minmax_finish_kernel[(triton.cdiv(rows, block_rows),)](lo, hi, mn, mx, bad, rows, parts,
+                                                            ROWS=block_rows, PARTS=width)
+    return mn, mx, bad
 
 
 @triton.jit
@@ -157,17 +187,16 @@ def _program_bytes(bits: int) -> int:
 
 def encode_rows(x, mn, mx, mark, bits: int, tail: int, stochastic: bool, generator):
     """(R, encoded_size) uint8 encodings of the rows of ``x`` given their min and max;
-    ``mark``: None, or a 0-dim bool tensor, True: every row is the mark (zeros)."""
+    ``mark`` a 0-dim int32 tensor, nonzero: every row is the mark (zeros)."""
     rows, n = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     nbytes = (n * bits + 7) // 8
     out = torch.empty((rows, HEADER_BYTES + nbytes), dtype=torch.uint8, device=x.device)
-    mark = torch.zeros((), dtype=torch.uint8, device=x.device) if mark is None else mark.to(torch.uint8)
     if stochastic:  # one draw from the caller's generator keys Philox for every value
         seed = torch.randint(0, 2**31 - 1, (1,), generator=generator, device=x.device, dtype=torch.int64)
     else:
-        seed = torch.zeros(1, dtype=torch.int64, device=x.device)
+        seed = mark  # not read
     block = _program_bytes(bits)
     grid = (rows, max(1, triton.cdiv(nbytes, block)))
     _encode_kernel[grid](x, mn, mx, mark, seed, out, n, x.stride(0), out.stride(0), nbytes, tail,

@@ -46,13 +46,18 @@ concatenation of the per-chunk encodings.
 
 **Where it runs.** A CUDA tensor goes through the Triton kernels of
 :mod:`.minmax_triton` (when Triton imports; ``BAGUA_MINMAX_TRITON=0`` turns them off):
-the min/max pass, then one kernel that quantizes, packs and writes the header, and one
-that unpacks and dequantizes; the bytes equal this module's. Everything else (the CPU)
-runs the torch code below: it works through the tensor in blocks of ``_BLOCK`` values
-so that the float intermediates stay in cache and memory sees one read of the input
-for the min/max, one for the quantization and one write of the payload; decoding looks
-each payload byte up in a per-chunk table of the decoded values of its 8 // b slots
-(256 entries), one gather a byte instead of unpacking and dequantizing.
+a min/max pass, one kernel that quantizes, packs and writes the headers, and one that
+unpacks and dequantizes; the bytes equal this module's. Everything else (the CPU) runs
+the torch code below, which on the CPU works through the tensor in blocks of
+``_BLOCK`` values, so that a block's intermediates stay in cache and memory sees
+little more than one read of the input for the min/max, one for the quantization, and
+the writes of the payload and (decoding) of the values. Within a block: the indices
+(integral floats) meet their byte as one product with the slot weights 2^(8 - b(j+1));
+adding 2^23 to an integral float below 2^23 leaves the integer in the low byte of its
+bits, which an int32 -> uint8 copy takes (several times faster than a float -> uint8
+one); decoding looks each payload byte up in a per-chunk table of the decoded values
+of its 8 // b slots (256 entries), one gather a byte instead of unpacking and
+dequantizing.
 
 **Host synchronisation** (what reads device memory back to the host, on CUDA):
 
@@ -62,6 +67,7 @@ each payload byte up in a per-chunk table of the decoded values of its 8 // b sl
   unless the caller passes ``bits`` and ``numel`` (what it encoded): then nothing is
   read back, a header is not validated, and a chunk whose header is not a ``bits``-bit
   encoding of ``numel`` values (the mark, or a corrupt one) decodes to NaN.
+- the torch path (CUDA without Triton) also reads a few flags of its own back.
 
 The runtime uses ``non_finite="mark"`` and passes ``bits``/``numel``, so its encodes
 and decodes never wait for the device; it checks the marks once per op.
@@ -219,27 +225,28 @@ def _round(t: torch.Tensor, levels: int, stochastic: bool, generator, work, clam
 # in the low mantissa bits, so the low byte of the sum's bits is the integer's low byte
 # (the float -> uint8 conversion is several times slower than int32 -> uint8).
 _MAGIC = float(1 << 23)
+_WEIGHTS: dict = {}  # (bits, device) -> the slot weights 2^(8 - bits (j + 1))
 
 
 def _pack(idx: torch.Tensor, bits: int, out: torch.Tensor) -> None:
-    """(R, n) level indices (integral float32, in place) -> ``out``, (R,
+    """(R, n) level indices (integral float32, changed in place) -> ``out``, (R,
     ceil(n*bits/8)) uint8, the first value of a byte in its high bits, unused slots 0.
 
-    A byte's value is sum_j index_j * 2^(8 - bits (j + 1)); it is formed in float32
-    (exact: integers below 256) by halving the row twice at most: neighbours combine as
-    hi * 2^(bits s) + lo, s = 1, 2, 4 values per half."""
+    A byte's value is sum_j index_j * 2^(8 - bits (j + 1)), j < 8 // bits: a product of
+    the (bytes, 8 // bits) indices with those weights (exact in float32: integers below
+    256), then the magic-number conversion."""
     rows, n = idx.shape
     per = 8 // bits
-    cur = idx
-    if per > 1 and n % per:
-        cur = idx.new_zeros((rows, out.shape[1] * per))
-        cur[:, :n] = idx
-    step = 1
-    while step < per:
-        lo = cur[:, 1::2]
-        lo.add_(cur[:, 0::2], alpha=float(1 << (bits * step)))
-        cur, step = lo, step * 2
-    out.copy_(cur.add_(_MAGIC).view(torch.int32))
+    if per > 1:
+        if n % per:
+            padded = idx.new_zeros((rows, out.shape[1] * per))
+            padded[:, :n] = idx
+            idx = padded
+        key = (bits, str(idx.device))
+        if key not in _WEIGHTS:
+            _WEIGHTS[key] = torch.tensor([float(1 << (8 - bits * (j + 1))) for j in range(per)], device=idx.device)
+        idx = torch.mv(idx.reshape(-1, per), _WEIGHTS[key]).view(rows, -1)
+    out.copy_(idx.add_(_MAGIC).view(torch.int32))
 
 
 def _headers(bits: int, tail: int, mn: torch.Tensor, mx: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,8 @@ needs the host to look at the data:
   header, checks it is a b-bit encoding of n values (else the row decodes to NaN),
   unpacks its bytes and dequantizes.
 
-An encode is three launches (four with stochastic rounding: the seed), a decode one;
-nothing else runs on the device between them. An encode reads the input twice (min/max, then quantization) and writes the payload;
+An encode is three launches (four with stochastic rounding: the seed), a decode one.
+An encode reads the input twice (min/max, then quantization) and writes the payload;
 a decode reads the payload and writes the values: 1.75× the bytes of a copy of the
 input at 8 bits, less below.
 

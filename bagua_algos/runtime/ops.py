@@ -75,7 +75,8 @@ def compressed_scatter_gather(
     mine = minmax.decode_chunks(received, n, bits=bits, numel=chunk).sum(dim=0)
     if average:
         mine.div_(n)
-    own = minmax.encode(mine, bits, stochastic=stochastic, generator=generator, non_finite="mark")  # the sum may overflow
+    # the sum may overflow: then the reduced chunk is marked too
+    own = minmax.encode(mine, bits, stochastic=stochastic, generator=generator, non_finite="mark")
     gathered = own.new_empty(own.numel() * n)
     comm.allgather(own, gathered, group=group)
     result = minmax.decode_chunks(gathered, n, bits=bits, numel=chunk).reshape(-1)[:numel]
@@ -413,7 +414,8 @@ class LowPrecisionDecentralizedSynchronousOp:
                                        [(self.left_rank, from_left), (self.right_rank, from_right)],
                                        group=self.group)
                 marks = torch.cat([minmax.marked(buf) for buf in (from_left, from_right, mine)])
-                _raise_if_marked([(marks, "the weights")], None, peers=[self.left_rank, self.right_rank, comm.get_rank()])
+                _raise_if_marked([(marks, "the weights")], None,
+                                 peers=[self.left_rank, self.right_rank, comm.get_rank()])
                 left.add_(decode(from_left).to(left.dtype))
                 right.add_(decode(from_right).to(right.dtype))
             else:

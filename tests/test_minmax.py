@@ -501,6 +501,46 @@ def test_triton_kernels_write_the_torch_paths_bytes(monkeypatch, bits):
     assert decode_chunks(mark, 3, bits=bits, numel=37).isnan().all()
 
 
+def test_triton_kernels_compile_for_an_h100():
+    """Every kernel variant the codec launches compiles to sm_90 code here, with no GPU
+    (the interpreter does not check what only the compiler refuses), and the kernels
+    that round contain no fused multiply-add and only correctly rounded divisions."""
+    pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from triton.compiler import compile as triton_compile
+    except ImportError as e:
+        pytest.skip(f"this Triton has no ahead-of-time compile API: {e}")
+    if _interpreted():
+        pytest.skip("the interpreter's kernels do not compile")
+    from bagua_algos.compression import minmax_triton as kernels
+
+    def build(fn, signature, constants, **options):
+        signature = {**signature, **{name: "constexpr" for name in constants}}
+        source = ASTSource(fn=fn, signature=signature, constexprs=constants)
+        return triton_compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+    for dtype in ("fp32", "fp16", "bf16", "fp64"):
+        build(kernels._minmax_kernel, {"x_ptr": f"*{dtype}", "lo_ptr": "*fp32", "hi_ptr": "*fp32", "bad_ptr": "*i32",
+                                       "n": "i32", "stride": "i32", "span": "i32", "parts": "i32"}, {"BLOCK": 2048})
+    build(kernels._minmax_finish_kernel, {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "mn_ptr": "*fp32", "mx_ptr": "*fp32",
+                                          "bad_ptr": "*i32", "rows": "i32", "parts": "i32"}, {"ROWS": 16, "PARTS": 128})
+    for bits in BITS:
+        block = 4096 // (8 // bits)
+        for stochastic in (False, True):
+            ptx = build(kernels._encode_kernel, {
+                "x_ptr": "*fp32", "mn_ptr": "*fp32", "mx_ptr": "*fp32", "mark_ptr": "*i32", "seed_ptr": "*i64",
+                "out_ptr": "*u8", "n": "i32", "x_stride": "i32", "out_stride": "i32", "nbytes": "i32", "tail": "i32",
+            }, {"BITS": bits, "STOCHASTIC": stochastic, "BLOCK": block}, num_warps=8, enable_fp_fusion=False)
+            assert "fma.rn" not in ptx and "div.full" not in ptx and "div.rn.f32" in ptx
+        ptx = build(kernels._decode_kernel, {
+            "buf_ptr": "*u8", "out_ptr": "*fp32", "n": "i32", "buf_stride": "i32", "out_stride": "i32",
+            "nbytes": "i32", "tail": "i32",
+        }, {"BITS": bits, "BLOCK": block}, num_warps=8, enable_fp_fusion=False)
+        assert "fma." not in ptx and "div.full" not in ptx and "div.rn.f32" in ptx
+
+
 # -------------------------------------------------------------------------- CUDA
 
 

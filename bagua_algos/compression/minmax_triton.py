@@ -17,7 +17,8 @@ needs the host to look at the data:
   header, checks it is a b-bit encoding of n values (else the row decodes to NaN),
   unpacks its bytes and dequantizes.
 
-An encode is three launches (four with stochastic rounding: the seed), a decode one.
+Both kernels that round are compiled with ``enable_fp_fusion=False``: no multiply and
+add is contracted into one rounding. An encode is three launches (four with stochastic rounding: the seed), a decode one.
 An encode reads the input twice (min/max, then quantization) and writes the payload;
 a decode reads the payload and writes the values: 1.75× the bytes of a copy of the
 input at 8 bits, less below.
@@ -52,6 +53,7 @@ import triton.language as tl
 
 from .minmax import HEADER_BYTES
 
+_HEADER = tl.constexpr(HEADER_BYTES)  # what a kernel may read of a global
 _VALUES_PER_PROGRAM = 4096  # encode/decode: values a program handles
 _MINMAX_BLOCK = 2048  # values a min/max program loads at a time
 _MAX_PARTS = 1024  # min/max programs, all rows together (enough to fill a GPU)
@@ -156,7 +158,7 @@ def _encode_kernel(x_ptr, mn_ptr, mx_ptr, mark_ptr, seed_ptr, out_ptr,
         value = tl.where(k == 0, BITS, tl.where(k == 1, tail, tl.where(
             k < 6, (mn_bits >> shift) & 255, (mx_bits >> shift) & 255)))
         value = tl.where(marked, 0, value)
-        tl.store(out_row + k, value.to(tl.uint8), mask=k < HEADER_BYTES)
+        tl.store(out_row + k, value.to(tl.uint8), mask=k < _HEADER)
     byte = block * BLOCK + tl.arange(0, BLOCK)
     slot = tl.arange(0, PER)
     col = byte[:, None] * PER + slot[None, :]  # (BLOCK, PER): the values of each byte
@@ -178,7 +180,7 @@ def _encode_kernel(x_ptr, mn_ptr, mx_ptr, mark_ptr, seed_ptr, out_ptr,
         idx = _quantize(t, LEVELS, u, STOCHASTIC, 8388608.0).to(tl.int32)
     idx = tl.where(marked, 0, tl.where(inside, idx, 0))
     packed = tl.sum(idx << (8 - BITS * (slot[None, :] + 1)), axis=1)
-    tl.store(out_row + HEADER_BYTES + byte, packed.to(tl.uint8), mask=byte < nbytes)
+    tl.store(out_row + _HEADER + byte, packed.to(tl.uint8), mask=byte < nbytes)
 
 
 def _program_bytes(bits: int) -> int:
@@ -200,7 +202,7 @@ def encode_rows(x, mn, mx, mark, bits: int, tail: int, stochastic: bool, generat
     block = _program_bytes(bits)
     grid = (rows, max(1, triton.cdiv(nbytes, block)))
     _encode_kernel[grid](x, mn, mx, mark, seed, out, n, x.stride(0), out.stride(0), nbytes, tail,
-                         BITS=bits, STOCHASTIC=stochastic, BLOCK=block, num_warps=8)
+                         BITS=bits, STOCHASTIC=stochastic, BLOCK=block, num_warps=8, enable_fp_fusion=False)
     return out
 
 
@@ -213,7 +215,7 @@ def _decode_kernel(buf_ptr, out_ptr, n, buf_stride, out_stride, nbytes, tail,
     block = tl.program_id(1)
     base = buf_ptr + row.to(tl.int64) * buf_stride
     k = tl.arange(0, 16)
-    head = tl.load(base + k, mask=k < HEADER_BYTES, other=0).to(tl.uint32)
+    head = tl.load(base + k, mask=k < _HEADER, other=0).to(tl.uint32)
     shift = (8 * ((k + 2) % 4)).to(tl.uint32)  # byte k of min (k < 6) or max
     width = tl.sum(tl.where(k == 0, head, 0), axis=0)
     slack = tl.sum(tl.where(k == 1, head, 0), axis=0)
@@ -223,7 +225,7 @@ def _decode_kernel(buf_ptr, out_ptr, n, buf_stride, out_stride, nbytes, tail,
     valid = (width == BITS) & (slack == tail) & finite & (mn <= mx)
     byte = block * BLOCK + tl.arange(0, BLOCK)
     slot = tl.arange(0, PER)
-    payload = tl.load(base + HEADER_BYTES + byte, mask=byte < nbytes, other=0).to(tl.int32)
+    payload = tl.load(base + _HEADER + byte, mask=byte < nbytes, other=0).to(tl.int32)
     idx = (payload[:, None] >> (8 - BITS * (slot[None, :] + 1))) & LEVELS
     span = mx - mn
     if span == float("inf"):  # as encoded: float64

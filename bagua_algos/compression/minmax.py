@@ -546,7 +546,10 @@ def _dequantize_rows(rows2d: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     ``n`` values; a row whose header is not one (the mark, or corrupt) gives NaN."""
     rows, length = rows2d.shape
     device = rows2d.device
-    out = torch.empty((rows, n), dtype=torch.float32, device=device)
+    # zeros, not empty, on the CPU: fresh memory's page faults then happen in the fill,
+    # on every thread, instead of one at a time in the (single-threaded) gather; with
+    # one thread it costs nothing measurable (the page is hot after its fault)
+    out = (torch.zeros if device.type == "cpu" else torch.empty)((rows, n), dtype=torch.float32, device=device)
     if n == 0 or rows == 0:
         return out
     per = 8 // bits

@@ -12,9 +12,11 @@ against ``x.clone()`` of the same tensor (a plain copy: read 4 bytes, write 4 by
 value, into newly allocated memory as the codec's outputs are), timed alternately with
 it: the ratio is the median of the rounds' copy time / codec time (1.0: as fast as
 the copy).
-An encode + decode moves at least 1.75× a copy's bytes (the input read twice, for the
-min/max and for the quantization, the output written once, plus the payload), so
-0.57 is its ceiling. The codec runs as the runtime calls it: ``non_finite="mark"`` and
+An encode + decode moves about 1.75× a copy's bytes at 8 bits (the input read twice,
+for the min/max and for the quantization, the values written once, the payload written
+and read), so by memory traffic alone 0.57 would be its ceiling; both sides also pay
+the page faults of freshly allocated outputs (the decode's is the copy's size), which
+shift real figures either way. The codec runs as the runtime calls it: ``non_finite="mark"`` and
 the decode given ``bits``/``numel``, so nothing waits for the device;
 ``--validated`` times the default forms instead (on CUDA one host synchronisation for
 each: the finiteness check and the headers read back). On CUDA the codec runs its

@@ -526,14 +526,16 @@ def test_triton_kernels_compile_for_an_h100():
                                        "n": "i32", "stride": "i32", "span": "i32", "parts": "i32"}, {"BLOCK": 2048})
     build(kernels._minmax_finish_kernel, {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "mn_ptr": "*fp32", "mx_ptr": "*fp32",
                                           "bad_ptr": "*i32", "rows": "i32", "parts": "i32"}, {"ROWS": 16, "PARTS": 128})
-    for bits in BITS:
+    for bits, dtype in [(b, "fp32") for b in BITS] + [(8, "fp16"), (8, "bf16"), (2, "fp64")]:
         block = 4096 // (8 // bits)
         for stochastic in (False, True):
             ptx = build(kernels._encode_kernel, {
-                "x_ptr": "*fp32", "mn_ptr": "*fp32", "mx_ptr": "*fp32", "mark_ptr": "*i32", "seed_ptr": "*i64",
+                "x_ptr": f"*{dtype}", "mn_ptr": "*fp32", "mx_ptr": "*fp32", "mark_ptr": "*i32", "seed_ptr": "*i64",
                 "out_ptr": "*u8", "n": "i32", "x_stride": "i32", "out_stride": "i32", "nbytes": "i32", "tail": "i32",
             }, {"BITS": bits, "STOCHASTIC": stochastic, "BLOCK": block}, num_warps=8, enable_fp_fusion=False)
             assert "fma.rn" not in ptx and "div.full" not in ptx and "div.rn.f32" in ptx
+        if dtype != "fp32":
+            continue
         ptx = build(kernels._decode_kernel, {
             "buf_ptr": "*u8", "out_ptr": "*fp32", "n": "i32", "buf_stride": "i32", "out_stride": "i32",
             "nbytes": "i32", "tail": "i32",

@@ -170,18 +170,18 @@ def _kernels(t: torch.Tensor):
     return _KERNELS
 
 
-def _blocks(rows: int, n: int):
-    """(r0, r1, c0, c1) covering a (rows, n) grid in row-major order, about _BLOCK
-    cells each: a long row in column blocks (multiples of 8, so packed bytes never
-    straddle two blocks), short rows several at a time."""
+def _blocks(rows: int, n: int, device):
+    """(steps, cells): the (r0, r1, c0, c1) steps covering a (rows, n) grid in
+    row-major order and the most cells one holds. On the CPU about _BLOCK cells a step,
+    a long row in column blocks (multiples of 8, so packed bytes never straddle two
+    steps), short rows several at a time; elsewhere one step (a device's kernels are
+    not slowed by the size)."""
+    if device.type != "cpu":
+        return [(0, rows, 0, n)], rows * n
     if n >= _BLOCK:
-        for r in range(rows):
-            for c0 in range(0, n, _BLOCK):
-                yield r, r + 1, c0, min(n, c0 + _BLOCK)
-    else:
-        step = max(1, _BLOCK // max(n, 1))
-        for r0 in range(0, rows, step):
-            yield r0, min(rows, r0 + step), 0, n
+        return [(r, r + 1, c0, min(n, c0 + _BLOCK)) for r in range(rows) for c0 in range(0, n, _BLOCK)], _BLOCK
+    step = max(1, _BLOCK // max(n, 1))
+    return [(r0, min(rows, r0 + step), 0, n) for r0 in range(0, rows, step)], min(rows, step) * n
 
 
 # ----------------------------------------------------------------------- encoding
@@ -285,10 +285,7 @@ def _quantize_rows(x, mn, mx, bits: int, stochastic: bool, generator, payload) -
         _pack(_round(t, levels, stochastic, generator, torch.empty_like(t)).float(), bits, payload)
         return
     per = 8 // bits
-    if x.device.type == "cpu":
-        blocks, cells = _blocks(rows, n), min(rows * n, max(_BLOCK, n))
-    else:  # one step: a device's kernels are not slowed by the size
-        blocks, cells = [(0, rows, 0, n)], rows * n
+    blocks, cells = _blocks(rows, n, x.device)
     t_buf = torch.empty(cells, dtype=torch.float32, device=x.device)
     work = torch.empty(cells if stochastic else 0, dtype=torch.float32, device=x.device)
     for r0, r1, c0, c1 in blocks:
@@ -568,10 +565,7 @@ def _dequantize_rows(rows2d: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     element, width = _ELEMENT[per // k], per // k
     table = values[:, _slots(bits, device)].contiguous().view(-1, width).view(element).view(-1)
     offsets = torch.arange(0, rows * 256, 256, dtype=torch.int32, device=device)[:, None]
-    if device.type == "cpu":
-        blocks, cells = _blocks(rows, nbytes), min(rows * nbytes, max(_BLOCK, nbytes))
-    else:
-        blocks, cells = [(0, rows, 0, nbytes)], rows * nbytes
+    blocks, cells = _blocks(rows, nbytes, device)
     index = torch.empty(cells * k, dtype=torch.int32, device=device)
     decoded = torch.empty(cells * per, dtype=torch.float32, device=device)
     flat_out = out.view(-1)

@@ -578,3 +578,27 @@ def test_cuda_runtime_forms_and_the_mark(bits):
     mark = encode_chunks(x, bits, non_finite="mark")
     assert mark.eq(0).all().item() and marked(mark, 8).all().item()
     assert decode_chunks(mark, 8, bits=bits, numel=4099).isnan().all().item()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_cuda_runtime_forms_never_wait_for_the_device(stochastic):
+    """What the runtime calls (non_finite="mark", decodes given bits/numel) makes no
+    synchronising CUDA call: torch raises on one in sync debug mode "error"."""
+    pytest.importorskip("triton")
+    x = torch.randn(8, 5000, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for bits in BITS:  # compile outside the check
+        decode_chunks(encode_chunks(x, bits, stochastic=stochastic, generator=g, non_finite="mark"),
+                      8, bits=bits, numel=5000)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for bits in BITS:
+            buf = encode_chunks(x, bits, stochastic=stochastic, generator=g, non_finite="mark")
+            marked(buf, 8)
+            decode_chunks(buf, 8, bits=bits, numel=5000)
+            decode(encode(x[0], bits, stochastic=stochastic, generator=g, non_finite="mark"), bits=bits, numel=5000)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+

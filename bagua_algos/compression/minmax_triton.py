@@ -2,7 +2,7 @@
 
 :mod:`.minmax` calls these for a CUDA tensor; the bytes they write equal its torch
 path's, and so do the decoded values (fused multiply-adds are turned off, so
-``min + index * gap`` rounds twice as the CPU's does). Three kernels, none of which
+``min + index * gap`` rounds twice as the CPU's does). Four kernels, none of which
 needs the host to look at the data:
 
 - ``_minmax_kernel``: grid (rows, parts); each program reduces a stretch of its row
@@ -18,8 +18,8 @@ needs the host to look at the data:
   unpacks its bytes and dequantizes.
 
 Both kernels that round are compiled with ``enable_fp_fusion=False``: no multiply and
-add is contracted into one rounding. An encode is three launches (four with stochastic rounding: the seed), a decode one.
-An encode reads the input twice (min/max, then quantization) and writes the payload;
+add is contracted into one rounding. An encode is three launches (four with stochastic
+rounding: the seed), a decode one. An encode reads the input twice (min/max, then quantization) and writes the payload;
 a decode reads the payload and writes the values: 1.75× the bytes of a copy of the
 input at 8 bits, less below.
 

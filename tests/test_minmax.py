@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import struct
 
 import numpy as np
@@ -18,6 +19,7 @@ from bagua_algos.compression import (
     encode,
     encode_chunks,
     encoded_size,
+    marked,
 )
 
 BITS = [1, 2, 4, 8]
@@ -343,6 +345,204 @@ def test_decode_chunks_refuses_mismatched_chunks():
         decode_chunks(bad, 2)
 
 
+# ----------------------------------------------------- blocks, the mark, no host reads
+
+
+def oracle_encode(x: torch.Tensor, bits: int) -> bytes:
+    """The module docstring's formulas in numpy float32, nearest rounding, one chunk."""
+    x32 = x.float().reshape(-1).numpy()
+    levels = (1 << bits) - 1
+    mn, mx = (np.float32(x32.min()) + np.float32(0), np.float32(x32.max()) + np.float32(0))
+    gap = np.float32((mx - mn) / np.float32(levels))
+    gap = gap if gap > 0 else np.float32(1)
+    idx = np.minimum(np.rint((x32 - mn) / gap), levels).astype(np.int64)  # rint: half to even
+    per = 8 // bits
+    idx = np.concatenate([idx, np.zeros((-len(idx)) % per, np.int64)]).reshape(-1, per)
+    payload = (idx << (8 - bits * (np.arange(per) + 1))).sum(1).astype(np.uint8)
+    return struct.pack("<BBff", bits, (-x32.size) % per, mn, mx) + payload.tobytes()
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("block", [8, 64])
+def test_blocks_change_nothing(monkeypatch, bits, block):
+    """The host path works in blocks of _BLOCK values (long rows cut, short rows
+    grouped); small blocks on small tensors give the same bytes, draws and values as the
+    default, and the bytes are the formulas'."""
+    g = torch.Generator().manual_seed(bits)
+    shapes = [(3, 200), (5, 37), (2, 8 * block + 3), (40, 3), (1, block), (4, block - 1)]
+    xs = [torch.randn(*s, generator=g) * 3 for s in shapes]
+    xs[0][1] = 2.5  # a constant row
+    def run():
+        out = []
+        for x in xs:
+            near = encode_chunks(x, bits)
+            stoch = encode_chunks(x, bits, stochastic=True, generator=torch.Generator().manual_seed(9))
+            out.append((near, stoch, decode_chunks(near, x.shape[0]), decode_chunks(stoch, x.shape[0])))
+        return out
+    default = run()
+    from bagua_algos.compression import minmax
+    monkeypatch.setattr(minmax, "_BLOCK", block)
+    for x, a, b in zip(xs, default, run()):
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+        expected = b"".join(oracle_encode(row, bits) for row in x)
+        assert bytes(b[0].numpy().tobytes()) == expected
+
+
+def test_zero_min_and_max_are_written_positive():
+    buf = encode(torch.tensor([-0.0, 0.0, -0.0]), 8)
+    assert bytes(buf[2:10].tolist()) == struct.pack("<ff", 0.0, 0.0)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_the_mark(bits):
+    x = torch.randn(3, 11, generator=torch.Generator().manual_seed(4))
+    good = encode_chunks(x, bits, non_finite="mark")
+    assert torch.equal(good, encode_chunks(x, bits))
+    assert not marked(good, 3).any()
+    x[2, 5] = float("inf")
+    buf = encode_chunks(x, bits, non_finite="mark")
+    assert buf.numel() == 3 * encoded_size(11, bits) and buf.eq(0).all()  # every chunk
+    assert marked(buf, 3).all()
+    assert decode_chunks(buf, 3, bits=bits, numel=11).isnan().all()
+    with pytest.raises(ValueError, match="chunk 0: corrupt header, bit width 0"):
+        decode_chunks(buf, 3)
+    one = encode(torch.tensor([1.0, float("nan")]), bits, non_finite="mark")
+    assert one.eq(0).all() and marked(one).tolist() == [True]
+    with pytest.raises(ValueError, match="non_finite must be one of"):
+        encode(x, bits, non_finite="skip")
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_decode_given_bits_and_numel(bits):
+    """The runtime's form: nothing read back; equal to the validated decode, and a
+    chunk that is not a bits-bit encoding of numel values decodes to NaN."""
+    x = torch.randn(4, 29, generator=torch.Generator().manual_seed(6))
+    buf = encode_chunks(x, bits)
+    checked = decode_chunks(buf, 4)
+    assert torch.equal(decode_chunks(buf, 4, bits=bits, numel=29), checked)
+    assert torch.equal(decode(buf[: encoded_size(29, bits)], bits=bits, numel=29), checked[0])
+    rows = buf.view(4, -1).clone()
+    rows[1, 0] = 3  # a corrupt bit width
+    rows[3, 6:10] = torch.tensor(list(struct.pack("<f", float("nan"))), dtype=torch.uint8)  # max NaN
+    out = decode_chunks(rows.reshape(-1), 4, bits=bits, numel=29)
+    assert out[1].isnan().all() and out[3].isnan().all()
+    assert torch.equal(out[0], checked[0]) and torch.equal(out[2], checked[2])
+    with pytest.raises(ValueError, match="not 4 .*encodings of 37 values"):
+        decode_chunks(buf, 4, bits=bits, numel=37)
+    if bits == 1:  # 30 values take the bytes of 29: the tail tells them apart
+        assert decode_chunks(buf, 4, bits=bits, numel=30).isnan().all()
+    with pytest.raises(ValueError, match="bits and numel go together"):
+        decode_chunks(buf, 4, bits=bits)
+    with pytest.raises(ValueError, match="need chunks as an int"):
+        decode_chunks(buf, [29] * 4, bits=bits, numel=29)
+
+
+# ------------------------------------------------------- the Triton kernels (interpreted)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_triton_kernels_under_the_interpreter():
+    """The kernels of minmax_triton run on the CPU under Triton's interpreter, which
+    must be on before triton is first imported: a child pytest runs the test below."""
+    pytest.importorskip("triton")
+    if _interpreted():
+        pytest.skip("this is the child")
+    from subprocesses import child_env, run_python
+
+    env = child_env()
+    env["TRITON_INTERPRET"] = "1"
+    test = f"{__file__}::test_triton_kernels_write_the_torch_paths_bytes"
+    code, out, err = run_python(["-m", "pytest", "-q", "-p", "no:cacheprovider", test], env=env, timeout=600)
+    assert code == 0 and f"{len(BITS)} passed" in out, out + err
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_triton_kernels_write_the_torch_paths_bytes(monkeypatch, bits):
+    """Through the public functions with the kernels in place of the torch path: the
+    same bytes and values (nearest), the same refusals, the mark; stochastic rounding
+    (Philox, not torch's generator) within one gap and reproducible."""
+    if not _interpreted():
+        pytest.skip("run under TRITON_INTERPRET=1 by test_triton_kernels_under_the_interpreter")
+    from bagua_algos.compression import minmax, minmax_triton
+
+    g = torch.Generator().manual_seed(10 + bits)
+    cases = [
+        torch.randn(3, 37, generator=g) * 3,
+        torch.randn(2, 1001, generator=g).half(),
+        torch.tensor([SEED_EXAMPLE]),
+        torch.tensor([[3e38, -3e38, 0.0, 1e38, -2e38]]),  # the range overflows float32
+        torch.stack([torch.full((9,), 1.5), torch.full((9,), -0.0)]),
+        torch.randint(-3, 4, (2, 16), generator=g).float(),  # ties
+    ]
+    expected = [(encode_chunks(x, bits), decode_chunks(encode_chunks(x, bits), x.shape[0])) for x in cases]
+    bad = cases[0].clone()
+    bad[1, 3] = float("nan")
+    monkeypatch.setattr(minmax, "_kernels", lambda t: minmax_triton)
+    for x, (buf, values) in zip(cases, expected):
+        rows, n = x.shape
+        got = encode_chunks(x, bits)
+        assert torch.equal(got, buf)
+        assert torch.equal(decode_chunks(got, rows), values)
+        assert torch.equal(decode_chunks(got, rows, bits=bits, numel=n), values)
+        s = encode_chunks(x, bits, stochastic=True, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(s, encode_chunks(x, bits, stochastic=True, generator=torch.Generator().manual_seed(1)))
+        assert torch.equal(s.view(rows, -1)[:, :HEADER_BYTES], buf.view(rows, -1)[:, :HEADER_BYTES])
+        out = decode_chunks(s, rows).double()
+        for r in range(rows):
+            gap = (x[r].double().max() - x[r].double().min()) / ((1 << bits) - 1)
+            assert (out[r] - x[r].double()).abs().max() <= gap * (1 + 1e-6)
+    with pytest.raises(ValueError, match="chunk 1 has NaN/inf values"):
+        encode_chunks(bad, bits)
+    mark = encode_chunks(bad, bits, non_finite="mark")
+    assert mark.eq(0).all() and mark.numel() == 3 * encoded_size(37, bits)
+    assert decode_chunks(mark, 3, bits=bits, numel=37).isnan().all()
+
+
+def test_triton_kernels_compile_for_an_h100():
+    """Every kernel variant the codec launches compiles to sm_90 code here, with no GPU
+    (the interpreter does not check what only the compiler refuses), and the kernels
+    that round contain no fused multiply-add and only correctly rounded divisions."""
+    pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from triton.compiler import compile as triton_compile
+    except ImportError as e:
+        pytest.skip(f"this Triton has no ahead-of-time compile API: {e}")
+    if _interpreted():
+        pytest.skip("the interpreter's kernels do not compile")
+    from bagua_algos.compression import minmax_triton as kernels
+
+    def build(fn, signature, constants, **options):
+        signature = {**signature, **{name: "constexpr" for name in constants}}
+        source = ASTSource(fn=fn, signature=signature, constexprs=constants)
+        return triton_compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+    for dtype in ("fp32", "fp16", "bf16", "fp64"):
+        build(kernels._minmax_kernel, {"x_ptr": f"*{dtype}", "lo_ptr": "*fp32", "hi_ptr": "*fp32", "bad_ptr": "*i32",
+                                       "n": "i32", "stride": "i32", "span": "i32", "parts": "i32"}, {"BLOCK": 2048})
+    build(kernels._minmax_finish_kernel, {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "mn_ptr": "*fp32", "mx_ptr": "*fp32",
+                                          "bad_ptr": "*i32", "rows": "i32", "parts": "i32"}, {"ROWS": 16, "PARTS": 128})
+    for bits, dtype in [(b, "fp32") for b in BITS] + [(8, "fp16"), (8, "bf16"), (2, "fp64")]:
+        block = 4096 // (8 // bits)
+        for stochastic in (False, True):
+            ptx = build(kernels._encode_kernel, {
+                "x_ptr": f"*{dtype}", "mn_ptr": "*fp32", "mx_ptr": "*fp32", "mark_ptr": "*i32", "seed_ptr": "*i64",
+                "out_ptr": "*u8", "n": "i32", "x_stride": "i32", "out_stride": "i32", "nbytes": "i32", "tail": "i32",
+            }, {"BITS": bits, "STOCHASTIC": stochastic, "BLOCK": block}, num_warps=8, enable_fp_fusion=False)
+            assert "fma.rn" not in ptx and "div.full" not in ptx and "div.rn.f32" in ptx
+        if dtype != "fp32":
+            continue
+        ptx = build(kernels._decode_kernel, {
+            "buf_ptr": "*u8", "out_ptr": "*fp32", "n": "i32", "buf_stride": "i32", "out_stride": "i32",
+            "nbytes": "i32", "tail": "i32",
+        }, {"BITS": bits, "BLOCK": block}, num_warps=8, enable_fp_fusion=False)
+        assert "fma." not in ptx and "div.full" not in ptx and "div.rn.f32" in ptx
+
+
 # -------------------------------------------------------------------------- CUDA
 
 
@@ -357,7 +557,48 @@ def test_cuda_matches_cpu(bits):
     assert torch.equal(gpu.cpu(), cpu)
     out = decode_chunks(gpu, 4)
     assert out.device.type == "cuda"
-    assert torch.equal(out.cpu(), decode_chunks(cpu, 4))
+    # The codec's contract across devices is equal bytes; decoded values are min +
+    # index * gap in float32 on both, and equal as long as no fused multiply-add rounds
+    # once where the CPU rounds twice (the Triton decode turns FMA off), so: close.
+    assert torch.allclose(out.cpu(), decode_chunks(cpu, 4), rtol=1e-6, atol=0)
     g = torch.Generator(device="cuda").manual_seed(0)
     s = decode(encode(x[0].cuda(), bits, stochastic=True, generator=g))
     assert s.device.type == "cuda" and (s.cpu() - x[0]).abs().max() <= gap_of(x[0], bits) * 1.001
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("bits", BITS)
+def test_cuda_runtime_forms_and_the_mark(bits):
+    x = torch.randn(8, 4099, generator=torch.Generator().manual_seed(bits)).cuda()
+    buf = encode_chunks(x, bits, non_finite="mark")
+    assert torch.equal(buf.cpu(), encode_chunks(x.cpu(), bits))
+    values = decode_chunks(buf, 8, bits=bits, numel=4099)
+    assert torch.allclose(values.cpu(), decode_chunks(buf.cpu(), 8), rtol=1e-6, atol=0)
+    x[5, 7] = float("nan")
+    mark = encode_chunks(x, bits, non_finite="mark")
+    assert mark.eq(0).all().item() and marked(mark, 8).all().item()
+    assert decode_chunks(mark, 8, bits=bits, numel=4099).isnan().all().item()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_cuda_runtime_forms_never_wait_for_the_device(stochastic):
+    """What the runtime calls (non_finite="mark", decodes given bits/numel) makes no
+    synchronising CUDA call: torch raises on one in sync debug mode "error"."""
+    pytest.importorskip("triton")
+    x = torch.randn(8, 5000, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for bits in BITS:  # compile outside the check
+        decode_chunks(encode_chunks(x, bits, stochastic=stochastic, generator=g, non_finite="mark"),
+                      8, bits=bits, numel=5000)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for bits in BITS:
+            buf = encode_chunks(x, bits, stochastic=stochastic, generator=g, non_finite="mark")
+            marked(buf, 8)
+            decode_chunks(buf, 8, bits=bits, numel=5000)
+            decode(encode(x[0], bits, stochastic=stochastic, generator=g, non_finite="mark"), bits=bits, numel=5000)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+

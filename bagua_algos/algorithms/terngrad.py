@@ -87,7 +87,8 @@ class TernGradAlgorithmImpl(AlgorithmImpl):
                                              stochastic=self.stochastic, generator=self.generator)
             if self.error_feedback:
                 # e ← v − D(Q(v)): the error of this worker's own (first) quantization.
-                sent_values = minmax.decode_chunks(sent, self.world_size).reshape(-1)[: v.numel()]
+                chunk = -(-v.numel() // self.world_size)
+                sent_values = minmax.decode_chunks(sent, self.world_size, bits=self.bits, numel=chunk).reshape(-1)[: v.numel()]
                 bucket.state["terngrad_error"].copy_(v.sub_(sent_values))
             flat.copy_(result)
         bucket.write_flat(flat)

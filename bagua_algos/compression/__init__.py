@@ -8,6 +8,7 @@ from .minmax import (
     encode,
     encode_chunks,
     encoded_size,
+    marked,
 )
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "encode",
     "encode_chunks",
     "encoded_size",
+    "marked",
 ]

@@ -65,49 +65,50 @@ def compressed_scatter_gather(
     padded = flat.detach().reshape(-1)
     if chunk * n != numel:
         padded = torch.cat([padded, padded.new_zeros(chunk * n - numel)])
-    size = minmax.encoded_size(chunk, bits)
-    if bool(torch.isfinite(padded).all()):
-        sent = minmax.encode_chunks(padded.view(n, chunk), bits, stochastic=stochastic, generator=generator)
-    else:
-        sent = _non_finite_mark(n * size, padded.device)
+    # NaN/inf anywhere: every chunk is the mark, so every receiver sees it (see below).
+    sent = minmax.encode_chunks(padded.view(n, chunk), bits, stochastic=stochastic, generator=generator,
+                                non_finite="mark")
     received = torch.empty_like(sent)
     comm.alltoall(sent, received, group=group)
-    _raise_if_marked(received.view(n, size), group, "the bucket's values")
-    mine = minmax.decode_chunks(received, n).sum(dim=0)
+    senders = minmax.marked(received, n)
+    # a marked chunk decodes to NaN, so the reduced chunk is marked in turn
+    mine = minmax.decode_chunks(received, n, bits=bits, numel=chunk).sum(dim=0)
     if average:
         mine.div_(n)
-    if bool(torch.isfinite(mine).all()):
-        own = minmax.encode(mine, bits, stochastic=stochastic, generator=generator)
-    else:  # the sum overflowed
-        own = _non_finite_mark(size, mine.device)
+    # the sum may overflow: then the reduced chunk is marked too
+    own = minmax.encode(mine, bits, stochastic=stochastic, generator=generator, non_finite="mark")
     gathered = own.new_empty(own.numel() * n)
     comm.allgather(own, gathered, group=group)
-    _raise_if_marked(gathered.view(n, size), group, "the reduced chunk")
-    result = minmax.decode_chunks(gathered, n).reshape(-1)[:numel]
+    result = minmax.decode_chunks(gathered, n, bits=bits, numel=chunk).reshape(-1)[:numel]
+    _raise_if_marked([(senders, "the bucket's values"), (minmax.marked(gathered, n), "the reduced chunk")], group)
     with torch.no_grad():
         flat.view(-1).copy_(result)
     return sent
 
 
-# A worker whose values are not finite cannot encode them (the codec refuses NaN/inf),
-# and raising alone would leave its peers waiting in the collective until the timeout.
-# It sends a buffer of the expected size whose headers say bit width 0 (never a valid
-# width) instead; every receiver then raises, after the same collective.
-def _non_finite_mark(nbytes: int, device) -> torch.Tensor:
-    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
-
-
-def _raise_if_marked(encodings: torch.Tensor, group, what: str, peers=None) -> None:
-    """``encodings``: one row per sender (``peers[i]`` its global rank, by default the
-    group's ranks in order); raise if any sender marked its values non-finite."""
-    marked = (encodings[:, 0] == 0).nonzero().flatten().tolist()
-    if marked:
-        ranks = peers if peers is not None else comm.group_ranks(group)
-        raise ValueError(
-            f"{what} of rank(s) {sorted({ranks[i] for i in marked})} has NaN/inf values, which the min-max codec "
-            "cannot encode; every worker of the collective stops here (look for a diverging loss or a "
-            "learning rate that is too high)"
-        )
+# A worker whose values are not finite cannot encode them, and raising alone would leave
+# its peers waiting in the collective until the timeout. It sends the codec's mark
+# instead (``non_finite="mark"``: every chunk's bit width byte 0); every receiver then
+# raises, after the same collectives. The encodes and decodes never wait for the device:
+# the marks are read back once per op, after its last collective, where every worker
+# holds the same marks (the all-to-all delivers each sender's, the all-gather each
+# reducer's, a gossip step each neighbour's and the own) and so raises together.
+def _raise_if_marked(checks, group, peers=None) -> None:
+    """``checks``: (marks, what) pairs, ``marks`` a bool tensor with one entry per sender
+    (``peers[i]`` its global rank, by default the group's ranks in order); raise for the
+    first pair with a marked sender. The op's one host synchronisation."""
+    flags = torch.cat([marks for marks, _ in checks]).tolist()
+    offset = 0
+    for marks, what in checks:
+        marked = [i for i, flag in enumerate(flags[offset : offset + marks.numel()]) if flag]
+        offset += marks.numel()
+        if marked:
+            ranks = peers if peers is not None else comm.group_ranks(group)
+            raise ValueError(
+                f"{what} of rank(s) {sorted({ranks[i] for i in marked})} has NaN/inf values, which the min-max codec "
+                "cannot encode; every worker of the collective stops here (look for a diverging loss or a "
+                "learning rate that is too high)"
+            )
 
 
 def shift_one_peer(rank: int, world_size: int, step: int) -> int:
@@ -403,24 +404,23 @@ class LowPrecisionDecentralizedSynchronousOp:
                 z = x - w
             else:
                 z = (x + left + right).div_(3).sub_(w)
-            finite = bool(torch.isfinite(z).all())
-            if finite:
-                mine = minmax.encode(z, MINMAX_UINT8_BITS)
-            else:  # tell the neighbours, then raise with them (see _non_finite_mark)
-                mine = _non_finite_mark(minmax.encoded_size(z.numel(), MINMAX_UINT8_BITS), z.device)
+            # NaN/inf: the mark; tell the neighbours, then raise with them (see _raise_if_marked)
+            mine = minmax.encode(z, MINMAX_UINT8_BITS, non_finite="mark")
+            decode = lambda buf: minmax.decode(buf, MINMAX_UINT8_BITS, z.numel())  # noqa: E731
             if len(self.peer_ranks) > 1:
                 from_left, from_right = torch.empty_like(mine), torch.empty_like(mine)
                 # Two messages to the same peer when n = 2: they pair up in posting order.
                 comm.neighbor_exchange([(self.left_rank, mine), (self.right_rank, mine)],
                                        [(self.left_rank, from_left), (self.right_rank, from_right)],
                                        group=self.group)
-                _raise_if_marked(torch.stack([from_left, from_right, mine]), None, "the weights",
+                marks = torch.cat([minmax.marked(buf) for buf in (from_left, from_right, mine)])
+                _raise_if_marked([(marks, "the weights")], None,
                                  peers=[self.left_rank, self.right_rank, comm.get_rank()])
-                left.add_(minmax.decode(from_left).to(left.dtype))
-                right.add_(minmax.decode(from_right).to(right.dtype))
-            elif not finite:
-                _raise_if_marked(mine.view(1, -1), None, "the weights", peers=[comm.get_rank()])
-            w.add_(minmax.decode(mine).to(w.dtype))
+                left.add_(decode(from_left).to(left.dtype))
+                right.add_(decode(from_right).to(right.dtype))
+            else:
+                _raise_if_marked([(minmax.marked(mine), "the weights")], None, peers=[comm.get_rank()])
+            w.add_(decode(mine).to(w.dtype))
             x.copy_(w)
 
 

@@ -78,6 +78,7 @@ from __future__ import annotations
 import os
 import struct
 import sys
+import warnings
 from typing import Callable, List, Optional, Sequence, Union
 
 import numpy as np
@@ -167,7 +168,27 @@ def _kernels(t: torch.Tensor):
                 pass
             else:
                 _KERNELS = minmax_triton
+                if not _kernels_agree(t.device):
+                    _KERNELS = None
     return _KERNELS
+
+
+def _kernels_agree(device) -> bool:
+    """Once per process, before the Triton kernels carry real data: they compile on this
+    device and give the torch path's bytes and values on a small input. Otherwise one
+    warning, and the torch path serves CUDA tensors too (slower, never wrong)."""
+    try:
+        x = torch.linspace(-1.0, 1.0, 777, dtype=torch.float32).pow(3)
+        for bits in (1, 2, 4, 8):
+            ref = encode(x, bits)
+            got = encode(x.to(device), bits)
+            if not torch.equal(got.cpu(), ref) or not torch.allclose(decode(got).cpu(), decode(ref)):
+                raise RuntimeError(f"{bits}-bit bytes or values differ from the torch path")
+        return True
+    except Exception as error:  # noqa: BLE001 - any failure means: do not use them
+        warnings.warn(f"bagua_algos: the Triton min-max kernels are not used on {device} ({error}); "
+                      "the torch path encodes CUDA tensors instead", RuntimeWarning, stacklevel=3)
+        return False
 
 
 def _blocks(rows: int, n: int, device):

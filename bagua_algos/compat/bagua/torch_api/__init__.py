@@ -12,6 +12,7 @@ from bagua_algos.runtime.comm import (  # noqa: F401
     alltoall_v_inplace,
     barrier,
     broadcast,
+    broadcast_object,
     gather,
     get_local_rank,
     get_local_size,
@@ -31,6 +32,6 @@ from bagua_algos.runtime.comm import (  # noqa: F401
 from bagua_algos.runtime.comm import BaguaProcessGroup  # noqa: F401
 from bagua_algos.runtime.tensor import BaguaTensor  # noqa: F401
 
-from . import algorithms, checkpoint, communication, contrib, env  # noqa: F401,E402
+from . import algorithms, checkpoint, communication, contrib, data_parallel, env  # noqa: F401,E402
 from .distributed import BaguaModule  # noqa: F401,E402
 from .env import get_node_rank, get_default_bucket_size  # noqa: F401,E402

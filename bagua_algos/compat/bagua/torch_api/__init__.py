@@ -14,6 +14,7 @@ from bagua_algos.runtime.comm import (  # noqa: F401
     broadcast,
     broadcast_object,
     gather,
+    gather_inplace,
     get_local_rank,
     get_local_size,
     get_rank,
@@ -27,10 +28,12 @@ from bagua_algos.runtime.comm import (  # noqa: F401
     reduce_scatter,
     reduce_scatter_inplace,
     scatter,
+    scatter_inplace,
     send,
 )
 from bagua_algos.runtime.comm import BaguaProcessGroup  # noqa: F401
 from bagua_algos.runtime.tensor import BaguaTensor  # noqa: F401
+from bagua_algos.runtime.backend import get_backend  # noqa: F401
 
 from . import algorithms, checkpoint, communication, contrib, data_parallel, env  # noqa: F401,E402
 from .distributed import BaguaModule  # noqa: F401,E402

@@ -72,7 +72,7 @@ by a member of its communicator, the bytes of
   to the *other* members (the own chunk never leaves the process);
 * ``send``, ``start_neighbor_exchange`` / ``neighbor_exchange``: each tensor sent to
   another rank (a pair with this process's own rank is a local copy: 0);
-* ``barrier``, ``all_gather_object``, receives: 0.
+* ``barrier``, ``all_gather_object``, ``broadcast_object``, receives: 0.
 
 Layout (one module per concern; everything public is re-exported here, so callers
 write ``from bagua_algos.runtime import comm`` and ``comm.allreduce(...)``):
@@ -85,7 +85,7 @@ write ``from bagua_algos.runtime import comm`` and ``comm.allreduce(...)``):
 * ``staging``: host copies of CUDA tensors for gloo;
 * ``collectives``: the 18 collectives and ``send``/``recv``;
 * ``hierarchical`` (with ``helper_thread``): the two-level allreduce;
-* ``neighbors``: the neighbour exchange and ``all_gather_object``.
+* ``neighbors``: the neighbour exchange, ``all_gather_object`` and ``broadcast_object``.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ from .groups import (BACKEND_ENV, BACKENDS, DEFAULT_TIMEOUT, BaguaCommunicator, 
                      group_rank, group_ranks, init_process_group, inter_node_group, intra_node_group, new_group)
 from .handle import CommHandle
 from .hierarchical import hierarchical_allreduce_inplace
-from .neighbors import all_gather_object, neighbor_exchange, start_neighbor_exchange
+from .neighbors import all_gather_object, broadcast_object, neighbor_exchange, start_neighbor_exchange
 from .reduce_op import ReduceOp
 from .staging import _Staging  # noqa: F401 - tests force it on CPU tensors
 
@@ -118,6 +118,7 @@ __all__ = [
     "send",
     "recv",
     "broadcast",
+    "broadcast_object",
     "reduce",
     "reduce_inplace",
     "allreduce",

@@ -82,3 +82,18 @@ def all_gather_object(obj, comm=None, *, group=None) -> list:
     out = [None] * c.nranks()
     dist.all_gather_object(out, obj, group=c.torch_group)
     return out
+
+
+def broadcast_object(obj, src: int = 0, comm=None, *, group=None):
+    """Bagua's ``broadcast_object(obj, src=0, comm=None)``: the picklable ``obj`` of
+    rank ``src`` (a communicator rank with ``comm=``, a global rank with ``group=``),
+    returned on every member; ``obj`` is ignored elsewhere. A process outside the
+    communicator gets its own ``obj`` back. It travels as CPU bytes (over gloo, also in
+    an NCCL job), so it never touches a GPU."""
+    c, local = _target(comm, group, "broadcast_object")
+    if not c.is_member():
+        return obj
+    src = _peer(c, local, src, "src")
+    box = [obj if get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=c.torch_group, device=torch.device("cpu"))
+    return box[0]

@@ -3,6 +3,8 @@
 from bagua_algos.runtime.comm import *  # noqa: F401,F403
 from bagua_algos.runtime.comm import _get_default_group  # noqa: F401
 from bagua_algos.runtime.backend import get_backend  # noqa: F401
+import torch
+
 from bagua_algos.runtime import comm as _comm
 
 
@@ -21,3 +23,32 @@ _pg_group_ranks = _GroupRanks()
 
 def _rank_not_in_group(group) -> bool:
     return group is not None and _comm.group_rank(group) < 0
+
+
+def broadcast_coalesced(tensors, src: int = 0, comm=None):
+    """Bagua's ``broadcast_coalesced``: :func:`broadcast` of several tensors as one buffer."""
+    tensors = list(tensors)
+    if not tensors:
+        return
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    _comm.broadcast(flat, src, comm)
+    _write_back(tensors, flat)
+
+
+def allreduce_coalesced_inplace(tensors, op=_comm.ReduceOp.SUM, comm=None):
+    """Bagua's ``allreduce_coalesced_inplace``: :func:`allreduce_inplace` of several
+    tensors (one dtype) as one buffer."""
+    tensors = list(tensors)
+    if not tensors:
+        return
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    _comm.allreduce_inplace(flat, op, comm)
+    _write_back(tensors, flat)
+
+
+def _write_back(tensors, flat) -> None:
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()

@@ -156,3 +156,22 @@ def test_exchange_order_benchmark_runs_tiny():
     assert code == 0, err[-3000:]
     for pattern in ("ring allreduce", "isend to both, then irecv", "irecv from both, then isend", "batch_isend_irecv"):
         assert pattern in out, out
+
+
+def test_pace_runs_every_section_at_its_smallest_size(tmp_path):
+    """benchmarks/pace.py --quick on the CPU: every section prints its ratios, the device
+    is named, and the JSON holds the rows (no timing is asserted)."""
+    out_path = tmp_path / "pace.json"
+    code, out, err = run([REPO / "benchmarks" / "pace.py", "--quick", "--device", "cpu", "--ws1-steps", "1",
+                          "--ws1-rounds", "1", "--json", out_path], timeout=600)
+    assert code == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    assert "pace: device CPU" in out
+    for line in ("powersgd cifar_resnet18  rank 1:", "orth resnet50 P set rank 1 (54 matrices)",
+                 "orth grid  256×2  :", "codec 8-bit nearest:", "ws1 gradient_allreduce", "vs ddp:",
+                 "ws1 qadam"):
+        assert line in out, line
+    rows = json.loads(out_path.read_text())["rows"]
+    ws1 = {row["config"]: row for row in rows if row["what"] == "ws1"}
+    assert set(ws1) == {"ddp", "gradient_allreduce", "bytegrad", "async", "decentralized",
+                        "low_precision_decentralized", "qadam"}
+    assert all(row["ratio"] > 0 for name, row in ws1.items() if name != "ddp")

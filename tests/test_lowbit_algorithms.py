@@ -449,3 +449,39 @@ def test_qadam_optimizer_is_baguas_update_by_default_and_frozen_on_request(weigh
                                        msg=lambda msg: f"{variant}, step {s}: {msg}")
     with pytest.raises(ValueError, match=r"variant must be one of \['bagua', 'frozen'\], got 'other'"):
         QAdamOptimizer([torch.nn.Parameter(torch.zeros(2))], variant="other")
+
+
+@pytest.mark.parametrize("variant,weight_decay,warmup", [("bagua", 0.0, 4), ("frozen", 0.01, 4), ("bagua", 0.0, 100)])
+def test_qadam_foreach_step_equals_the_per_parameter_loop_bit_for_bit(variant, weight_decay, warmup):
+    """QAdamOptimizer.step runs _foreach ops over runs of parameters; _step_loop is the
+    update one parameter at a time. Same numbers, with a parameter skipped (no gradient)
+    once, so its step count lags the others', and exp_avg set from outside after the
+    warm-up as the algorithm does."""
+    import warnings
+
+    from bagua_algos.algorithms import QAdamOptimizer
+
+    g = torch.Generator().manual_seed(5)
+    shapes = ((5, 3), (7,), (2, 2, 3), (1,))
+    fast = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    loop = [torch.nn.Parameter(p.detach().clone()) for p in fast]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a = QAdamOptimizer(fast, lr=0.01, warmup_steps=warmup, weight_decay=weight_decay, variant=variant)
+        b = QAdamOptimizer(loop, lr=0.01, warmup_steps=warmup, weight_decay=weight_decay, variant=variant)
+    for it in range(8):
+        for i, (p, q) in enumerate(zip(fast, loop)):
+            if it == 2 and i == 1:
+                p.grad = q.grad = None
+                continue
+            grad = torch.randn(p.shape, generator=g)
+            p.grad, q.grad = grad.clone(), grad.clone()
+        a.step()
+        b._step_loop()
+        for p, q in zip(fast, loop):
+            assert torch.equal(p, q) and a.state[p]["step"] == b.state[q]["step"], (it, p.shape)
+            assert torch.equal(a.state[p]["exp_avg_sq"], b.state[q]["exp_avg_sq"])
+            if a.state[p]["step"] >= warmup:
+                m = torch.randn(p.shape, generator=g)
+                a.state[p]["exp_avg"].copy_(m)
+                b.state[q]["exp_avg"].copy_(m)

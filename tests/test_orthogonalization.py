@@ -156,3 +156,25 @@ def test_householder_torch_zero_columns_become_unit_columns():
     (q,) = householder_torch(a)
     assert torch.isfinite(q).all() and _orthonormality_error(q) <= 1e-5 and _same_span(a[0], q) <= 1e-5
     assert torch.equal(householder_torch(torch.zeros(2, 5, 3)), torch.eye(5, 3).expand(2, 5, 3))
+
+
+def test_auto_runs_linalg_qr_from_wide_rank_on_every_device():
+    """r >= WIDE_RANK: "auto" is torch.linalg.qr on CPU and GPU (the compiled per-matrix
+    QR falls behind there); below it the rule is unchanged. A mixed call keeps the order."""
+    from bagua_algos.compression import orthogonalization as o
+
+    for device in ("cpu", "cuda"):
+        assert o._resolve("auto", {torch.device(device)}, o.WIDE_RANK) == "torch_qr"
+        assert o._resolve("auto", {torch.device(device)}, 64) == "torch_qr"
+    assert o._resolve("auto", {torch.device("cuda")}, o.WIDE_RANK - 1) == "householder"
+    g = torch.Generator().manual_seed(0)
+    mats = [torch.randn(40, 4, generator=g), torch.randn(70, 20, generator=g), torch.randn(40, 4, generator=g)]
+    for q, m in zip(o.orthogonalize(mats, "auto"), mats):
+        assert q.shape == m.shape
+        torch.testing.assert_close(q.T @ q, torch.eye(m.shape[1]), atol=1e-5, rtol=0)
+        torch.testing.assert_close(q @ (q.T @ m), m, atol=1e-4, rtol=0)
+    wide = torch.randn(2, 70, 20, generator=g)
+    expected = torch.stack([torch.linalg.qr(b)[0] for b in wide])
+    batches = [torch.randn(3, 40, 4, generator=g), wide.clone()]
+    o.orthogonalize_batches_(batches, "auto")
+    torch.testing.assert_close(batches[1].abs(), expected.abs(), atol=1e-5, rtol=0)

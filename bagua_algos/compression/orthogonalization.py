@@ -269,14 +269,25 @@ def _on_gpu(devices) -> bool:
     return bool(devices) and any(torch.device(d).type == "cuda" for d in devices)
 
 
+# From this many columns on, "auto" runs torch.linalg.qr (LAPACK / cuSOLVER's blocked
+# Householder) instead of the compiled per-matrix one: the extension's one block (CPU:
+# one thread) per matrix and one column at a time is right for PowerSGD's thin P's
+# (r <= 8) and falls behind there: on the CPU 0.96-1.23x linalg.qr at r = 16 and
+# 1.6-2.4x at r = 128; on an H100 (issue 19) 5x at 4096 x 32 and 23x at 4096 x 128.
+WIDE_RANK = 16
+
+
 def _resolve(method: str, devices, rank=None) -> str:
-    """The method "auto" stands for. On GPUs the compiled Householder QR (one launch for
+    """The method "auto" stands for. For r >= WIDE_RANK ``torch.linalg.qr`` on every
+    device. Below it, on GPUs the compiled Householder QR (one launch for
     all matrices; where it cannot be built, its batched torch twin). On CPU, measured
     (docs/benchmarks.md, issue 9): the extension when it is already loaded; else
     batched ``torch.linalg.qr`` for r ≥ 2 (0.1–1.0× torch's per-layer loop on
     ResNet-18's P factors, where Gram–Schmidt was 0.5–5.5×) and Gram–Schmidt for r = 1."""
     check_method(method)
     if method == "auto":
+        if rank is not None and rank >= WIDE_RANK:
+            return "torch_qr"
         if _on_gpu(devices) or (devices and _householder_loaded(devices)):
             return "householder"
         if rank is not None and rank >= 2 and all(torch.device(d).type == "cpu" for d in devices):
@@ -400,6 +411,13 @@ def orthogonalize_batches_(batches: Sequence[torch.Tensor], method: str = "auto"
     device = work[0].device
     requested = method
     resolved = _resolve(method, {device}, None)
+    if requested == "auto" and resolved == "householder":
+        wide = [batch for batch in work if batch.shape[2] >= WIDE_RANK]
+        for batch in wide:  # linalg.qr (see WIDE_RANK)
+            batch.copy_(orthogonalize_batch(batch, "auto", epsilon))
+        work = [batch for batch in work if batch.shape[2] < WIDE_RANK]
+        if not work:
+            return batches
     if requested == "auto" and resolved != "householder":
         for batch in work:  # on CPU each shape picks by its rank (orthogonalize_batch)
             batch.copy_(orthogonalize_batch(batch, "auto", epsilon))
@@ -441,6 +459,13 @@ def orthogonalize(
     requested, method = method, _resolve(method, devices)
     if requested == "auto" and method != "householder":
         method = "auto"  # each same-shape group picks by its rank (orthogonalize_batch)
+    if method == "householder" and requested == "auto" and any(m.shape[1] >= WIDE_RANK for m in matrices):
+        narrow = [i for i, m in enumerate(matrices) if m.shape[1] < WIDE_RANK]
+        out = orthogonalize([m for m in matrices if m.shape[1] >= WIDE_RANK], "torch_qr", epsilon)
+        merged = iter(orthogonalize([matrices[i] for i in narrow], "auto", epsilon))
+        wide = iter(out)
+        narrow_set = set(narrow)
+        return [next(merged) if i in narrow_set else next(wide) for i in range(len(matrices))]
     if method == "householder":
         householder = _householder_or_none(devices, requested)
         if householder is not None:

@@ -92,6 +92,12 @@ class BaguaBackend:
             self._events = [[] for _ in buckets]
             self._next = 0
 
+    def wants_event(self, tensor: torch.Tensor) -> bool:
+        """Whether marking ``tensor`` ready needs a CUDA event: not when its bucket's ops
+        all run on the marking thread without touching device data (one worker)."""
+        where = self._slot.get(id(tensor))
+        return where is None or not self._buckets[where[0]]._local_only()
+
     @property
     def buckets(self) -> list["BaguaBucket"]:
         return list(self._buckets)
@@ -125,6 +131,15 @@ class BaguaBackend:
         self._next = k + 1
         if self._next == len(self._buckets):
             self._next = 0  # the round is complete; the next one starts from bucket 0
+        if bucket._local_only():
+            # Every op is a no-op or a host-side count here (one worker): run them on
+            # this thread; the effective tensors need not be in the buffer for that.
+            try:
+                bucket._run_ops()
+            except BaseException as exc:  # noqa: BLE001 - reported at the wait, as the thread's
+                if self._error is None:
+                    self._error = (exc, bucket.name, traceback.format_exc())
+            return
         bucket._before_ops()  # effective tensors back in the bucket's buffer (training thread)
         self._in_flight += 1
         self._start_worker()
@@ -230,6 +245,9 @@ _backends_lock = threading.Lock()
 
 def get_backend(module_name: str) -> BaguaBackend:
     """The backend of the module named ``module_name`` (created on first use)."""
+    backend = _backends.get(module_name)  # once made, never replaced: no lock needed to find it
+    if backend is not None:
+        return backend
     with _backends_lock:
         backend = _backends.get(module_name)
         if backend is None:

@@ -206,6 +206,11 @@ class BaguaBucket:
             offset += n
 
     # --- ops ----------------------------------------------------------------------------
+    def _local_only(self) -> bool:
+        """True when the bucket has ops and each says ``local_only``: with this group it
+        does nothing but count on the host (e.g. a reduction over one worker)."""
+        return bool(self._ops) and all(getattr(op, "local_only", False) for op in self._ops)
+
     def _run_ops(self) -> None:
         for op in list(self._ops):
             op(self)

@@ -166,12 +166,17 @@ class CentralizedSynchronousOp:
         self.scattergather = bool(scattergather)
         self.compression = compression
         self.group = group
+        # One worker: the (exact) reduction is the bucket itself, so the op does nothing.
+        # Not so for the flat compressed reduction, which still quantizes (twice).
+        self.local_only = comm.get_world_size(group) == 1 and (compression is None or self.hierarchical)
         if compression is not None and self.hierarchical:
             # Node groups are created collectively: here, on every rank, not on first use.
             self._intra = comm.intra_node_group()
             self._leaders = comm.inter_node_group() if comm.get_local_rank() == 0 else None
 
     def __call__(self, bucket) -> None:
+        if self.local_only:
+            return
         flat = bucket.flat_view()
         if self.compression is not None:
             self._compressed(flat)
@@ -253,6 +258,9 @@ class DecentralizedSynchronousOp:
             self.peer_ranks = comm.group_ranks(group)
             self.is_leader = True
             self.my_index = comm.group_rank(group)
+        # One worker in all: the gossip result is the weights themselves, which nothing
+        # changes between the op and copy_back_peer_weight; only the count moves.
+        self.local_only = len(self.peer_ranks) == 1 and (not self.hierarchical or comm.get_local_size() == 1)
         self.topology = None
         self._received: dict = {}
         if topology is not None:
@@ -275,6 +283,9 @@ class DecentralizedSynchronousOp:
             self._received = {"peer": torch.empty_like(_effective(peer_weight))}
 
     def __call__(self, bucket) -> None:
+        if self.local_only:
+            self._state["decentralized_exchanges"] += 1
+            return
         x = _effective(self.peer_weight)
         x.copy_(bucket.flat_view())
         if self.hierarchical:
@@ -310,7 +321,9 @@ class DecentralizedSynchronousOp:
             comm.allreduce_inplace(x, comm.ReduceOp.AVG, group=group)
 
     def copy_back_peer_weight(self, bucket) -> None:
-        """The bucket's weights ← the gossip result."""
+        """The bucket's weights ← the gossip result (with one worker, they are it)."""
+        if self.local_only:
+            return
         bucket.write_flat(_effective(self.peer_weight))
 
 
@@ -384,16 +397,33 @@ class LowPrecisionDecentralizedSynchronousOp:
 
     def __call__(self, bucket) -> None:
         flat = bucket.flat_view()
-        x = flat.detach().clone() if flat.dtype == torch.float32 else flat.detach().float()
-        if self._intra is not None and self._intra.nranks() > 1:
+        intra = self._intra is not None and self._intra.nranks() > 1
+        if not intra and len(self.peer_ranks) == 1 and flat.dtype == torch.float32:
+            x = flat.detach()  # one worker: the step reads x once and ends writing x ← w
+        else:
+            x = flat.detach().clone() if flat.dtype == torch.float32 else flat.detach().float()
+        if intra:
             comm.allreduce_inplace(x, comm.ReduceOp.AVG, group=self._intra)
         if self.is_leader:
             self._ring_step(x)
-        if self._intra is not None and self._intra.nranks() > 1:
+        if intra:
             comm.broadcast(x, src=comm.get_node_rank() * comm.get_local_size(), group=self._intra)
-        with torch.no_grad():
-            flat.copy_(x)
+        if x is not flat:
+            with torch.no_grad():
+                flat.copy_(x)
         bucket.write_flat(flat)
+
+    # One gossiping worker on a GPU: nobody waits for its mark, so it is not read back
+    # at once (that would make the host wait for the GPU every step): it is copied to
+    # pinned memory and read at the next step, which raises then.
+    _pending_mark = None
+
+    def _check_pending_mark(self) -> None:
+        pending, self._pending_mark = self._pending_mark, None
+        if pending is not None:
+            host, event = pending
+            event.synchronize()
+            _raise_if_marked([(host, "the weights")], None, peers=[comm.get_rank()])
 
     def _ring_step(self, x: torch.Tensor) -> None:
         w = self._state["low_precision_weight"]
@@ -418,6 +448,13 @@ class LowPrecisionDecentralizedSynchronousOp:
                                  peers=[self.left_rank, self.right_rank, comm.get_rank()])
                 left.add_(decode(from_left).to(left.dtype))
                 right.add_(decode(from_right).to(right.dtype))
+            elif z.is_cuda:
+                self._check_pending_mark()
+                host = torch.empty(1, dtype=torch.bool, pin_memory=True)
+                host.copy_(minmax.marked(mine).reshape(1), non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                self._pending_mark = (host, event)
             else:
                 _raise_if_marked([(minmax.marked(mine), "the weights")], None, peers=[comm.get_rank()])
             w.add_(decode(mine).to(w.dtype))
@@ -473,6 +510,9 @@ class AsyncModelAverageOp:
             raise ValueError(f"the asynchronous model average supports peer_selection_mode='all' only, got {peer_selection_mode!r}")
         self.peer_selection_mode = peer_selection_mode
         self.group = group
+        # One worker: a round moves the weights by s/1 - s = 0 and reads nothing else,
+        # so it only counts (and learns of an abort); nothing to lock against.
+        self.local_only = comm.get_world_size(group) == 1
         self._lock = _WeightLock(bucket.device)
         self._locked = False
         self._abort_requested = False
@@ -481,7 +521,7 @@ class AsyncModelAverageOp:
 
     # --- the weight lock (training thread: forward to optimizer step) -----------------
     def lock_weight(self) -> None:
-        if not self._locked:
+        if not self._locked and not self.local_only:
             self._lock.acquire()
             self._locked = True
 
@@ -506,6 +546,10 @@ class AsyncModelAverageOp:
 
     def __call__(self, bucket) -> None:
         if self._stopped:
+            return
+        if self.local_only:
+            self.rounds += 1
+            self._stopped = self._abort_requested
             return
         with self._lock:
             snapshot = bucket.flattened_tensor()

@@ -107,11 +107,12 @@ class BaguaTensor:
         the kernels that produced the tensor.
         """
         event = None
+        backend = _backend_of(self)
         effective = self.bagua_getter_closure()
-        if effective is not None and effective.is_cuda:
+        if effective is not None and effective.is_cuda and backend.wants_event(self):
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(effective.device))
-        _backend_of(self).mark_communication_ready(self, event)
+        backend.mark_communication_ready(self, event)
 
     def bagua_mark_communication_ready_without_synchronization(self) -> None:
         """Mark ready with no stream ordering (the caller guarantees the data is there)."""

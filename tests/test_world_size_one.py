@@ -1,0 +1,111 @@
+"""World size 1: the runtime skips what is an exact identity (issue 19.4).
+
+With one worker a reduction, a gossip average or an asynchronous round leaves the
+tensors as they are; such ops say ``local_only`` and run on the marking thread with no
+copy, no collective and no CUDA event. Each algorithm must still train exactly as the
+algorithm defines it: here against the same model trained without Bagua (and, for the
+low-precision ring, against its step written out: it still quantizes)."""
+
+from __future__ import annotations
+
+import torch
+
+from gloo_workers import run_workers
+
+STEPS = 5
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(STEPS)]
+
+
+def _train(model, optimizer):
+    for x, y in _batches():
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _one_worker(rank, world):
+    import warnings
+
+    from bagua_algos import algorithms as A
+    from bagua_algos.compression import minmax
+
+    out = {}
+    reference = _model()
+    sgd = _train(reference, torch.optim.SGD(reference.parameters(), lr=0.1))
+    cases = {
+        "gradient_allreduce": A.GradientAllReduceAlgorithm(),
+        "bytegrad": A.ByteGradAlgorithm(),  # hierarchical: exact on one node
+        "decentralized": A.DecentralizedAlgorithm(),
+        "decentralized_flat": A.DecentralizedAlgorithm(hierarchical=False),
+        "async": A.AsyncModelAverageAlgorithm(sync_interval_ms=1),
+    }
+    for name, algorithm in cases.items():
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model = model.with_bagua([optimizer], algorithm)
+        ops = [op for bucket in model.bagua_buckets for op in bucket.ops]
+        params = _train(model, optimizer)
+        if name == "async":
+            model.bagua_algorithm.abort(model)
+            params = [p.detach().clone() for p in model.parameters()]
+        out[name] = {"equal": all(torch.equal(a, b) for a, b in zip(params, sgd)),
+                     "local_only": all(op.local_only for op in ops),
+                     "state": {b.name: dict(b.state) for b in model.bagua_buckets}}
+    # QAdam (in its warm-up, and after it: then the momentum is compressed, not local)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for warmup in (100, 3):
+            reference = _model()
+            qref = _train(reference, A.QAdamOptimizer(reference.parameters(), lr=0.01, warmup_steps=100))
+            model = _model()
+            optimizer = A.QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=warmup)
+            model = model.with_bagua([optimizer], A.QAdamAlgorithm(optimizer))
+            params = _train(model, optimizer)
+            out[f"qadam_{warmup}"] = {"equal": all(torch.equal(a, b) for a, b in zip(params, qref)),
+                                      "local_only": all(op.local_only for b in model.bagua_buckets
+                                                        for op in b.ops if hasattr(op, "local_only"))}
+    # low-precision ring, one worker: x ← w + D(Q(x − w)) after each local step
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = model.with_bagua([optimizer], A.LowPrecisionDecentralizedAlgorithm())
+    params = _train(model, optimizer)
+    reference = _model()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    flat = lambda: torch.cat([p.detach().reshape(-1) for p in reversed(list(reference.parameters()))])  # noqa: E731
+    w = flat()
+    for x, y in _batches():
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(reference(x), y).backward()
+        optimizer.step()
+        z = flat() - w
+        w = w + minmax.decode(minmax.encode(z, 8), 8, z.numel())
+        offset = 0
+        with torch.no_grad():
+            for p in reversed(list(reference.parameters())):
+                p.copy_(w[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+    out["low_precision"] = {"equal": all(torch.equal(a, b.detach()) for a, b in zip(params, reference.parameters())),
+                            "moved": not all(torch.equal(a, b) for a, b in zip(params, sgd))}
+    return out
+
+
+def test_every_algorithm_at_world_size_one_trains_as_it_defines():
+    out = run_workers(_one_worker, 1)[0]
+    for name in ("gradient_allreduce", "bytegrad", "decentralized", "decentralized_flat", "async"):
+        assert out[name]["equal"], name
+        assert out[name]["local_only"], name
+    for name in ("decentralized", "decentralized_flat"):
+        assert out[name]["state"]["0"]["decentralized_exchanges"] == STEPS
+    assert out["qadam_100"]["equal"] and out["qadam_100"]["local_only"]
+    assert not out["qadam_3"]["equal"]  # compressed momentum after 3 steps: not local, not Adam
+    assert out["low_precision"]["equal"] and out["low_precision"]["moved"]

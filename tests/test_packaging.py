@@ -115,3 +115,21 @@ def test_tests_import_this_checkout(repo_root, tests_dir):
     for module in (bagua_algos, samplers, topologies):
         assert Path(module.__file__).resolve().is_relative_to(repo_root), module.__file__
     assert Path(subprocesses.__file__).resolve().parent == tests_dir
+
+
+def test_lightning_is_imported_by_its_strategy_module_only(repo_root):
+    """Lightning is an optional dependency (the ``lightning`` extra): of the installed
+    packages only ``bagua_algos/lightning.py`` may import it."""
+    import ast
+
+    offenders = []
+    for package in ("bagua_algos", "topologies", "samplers", "cuda_ext"):
+        for path in (repo_root / package).rglob("*.py"):
+            if path == repo_root / "bagua_algos" / "lightning.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+                if any(n.split(".")[0] in ("lightning", "pytorch_lightning") for n in names):
+                    offenders.append(f"{path.relative_to(repo_root)}:{node.lineno}")
+    assert not offenders, offenders

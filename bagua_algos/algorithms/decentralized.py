@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from ..arguments import check_choice, check_flag, check_interval
 from ..runtime import comm
-from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry
+from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from ..runtime.bucket import BaguaBucket
 from ..runtime.ops import PEER_SELECTION_MODES, shift_one_peer
 from ..runtime.topology import check_topology_arg, resolve_topology
@@ -88,8 +88,9 @@ class DecentralizedAlgorithmImpl(ModelAveragingAlgorithmImpl):
 
         return hook
 
-    def init_post_optimizer_step_hook(self, bagua_ddp):
-        return lambda optimizer: None  # the exchange ran during forward and backward
+    # The exchange runs during forward and backward, not after the optimizer step (the
+    # default hook, which also tells with_bagua that no optimizer is needed).
+    init_post_optimizer_step_hook = AlgorithmImpl.init_post_optimizer_step_hook
 
 
 _UNSET = object()

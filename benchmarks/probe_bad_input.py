@@ -541,7 +541,7 @@ add("lpd_interval_zero", "LowPrecisionDecentralizedAlgorithm(communication_inter
 add("qadam_warmup_negative", "QAdamOptimizer(model.parameters(), warmup_steps=-1)",
     ValueError, "warmup_steps must be an int >= 2", lambda: QAdamOptimizer(_model().parameters(), warmup_steps=-1))
 add("qadam_beta_one", "QAdamOptimizer(model.parameters(), betas=(0.9, 1.0))",
-    ValueError, "betas[1] must be a finite number >= 0.0 and < 1.0",
+    ValueError, "betas[1] must be a finite number in [0.0, 1.0)",
     lambda: QAdamOptimizer(_model().parameters(), betas=(0.9, 1.0)))
 add("qadam_plain_adam", "QAdamAlgorithm(torch.optim.Adam(model.parameters()))",
     TypeError, "q_adam_optimizer must be a QAdamOptimizer",

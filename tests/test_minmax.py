@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import struct
 
 import numpy as np
@@ -114,9 +115,9 @@ def test_encoded_size_checks():
 
 @pytest.mark.parametrize("bits", [0, 3, 5, 16, -2, True, 2.0, "2", None])
 def test_invalid_bits_refused(bits):
-    with pytest.raises(ValueError, match=r"bits must be one of 1, 2, 4, 8"):
+    with pytest.raises(ValueError, match=re.escape("bits must be one of [1, 2, 4, 8], got")):
         encode(torch.ones(4), bits)
-    with pytest.raises(ValueError, match=r"bits must be one of 1, 2, 4, 8"):
+    with pytest.raises(ValueError, match=re.escape("bits must be one of [1, 2, 4, 8], got")):
         encode_chunks(torch.ones(2, 4), bits)
 
 

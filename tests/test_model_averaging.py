@@ -153,6 +153,30 @@ def _relay_checks(rank, n):
     resumed.load_bagua_state_dict(checkpoint["bagua"])
     sgd_steps(resumed, resumed_opt, rank, 5)
     out["resume"] = torch.equal(model.x, resumed.x)
+    # Its per-bucket state is in bucket.state: the live buffers, saved with no relay code.
+    bagua = checkpoint["bagua"]
+    out["state_keys"] = (sorted(bagua["algorithm_state"]), {b: sorted(st) for b, st in bagua["bucket_state"].items()})
+    impl, buckets = model.bagua_algorithm, model.bagua_ddp.bagua_buckets
+    out["state_is_live"] = all(
+        bucket.state["relay_received"][k][j] is impl._links[(bucket.name, k)].recv[j]
+        for bucket in buckets for k in range(len(impl.trees)) for j in impl._links[(bucket.name, k)].neighbors
+    )
+    # Mode "world_size" resumes too, x0 included: the resumed module is wrapped from
+    # another model (so its own x0 differs) before the checkpoint is loaded.
+    algo = RelayAlgorithm(topology="chain", mode="world_size", seed=2)
+    model, opt = wrapped(algo, lr=0.1)
+    sgd_steps(model, opt, rank, 2)
+    checkpoint = copy.deepcopy({"model": model.state_dict(), "bagua": model.bagua_state_dict()})
+    sgd_steps(model, opt, rank, 3)
+    resumed = Vector()
+    with torch.no_grad():
+        resumed.x.fill_(5.0)
+    resumed_opt = torch.optim.SGD(resumed.parameters(), lr=0.1)
+    resumed.with_bagua([resumed_opt], algo)
+    resumed.load_state_dict(checkpoint["model"])
+    resumed.load_bagua_state_dict(checkpoint["bagua"])
+    sgd_steps(resumed, resumed_opt, rank, 3)
+    out["resume_world_size"] = torch.equal(model.x, resumed.x)
     return out
 
 
@@ -200,6 +224,15 @@ def test_relay_matches_single_process_simulator(relay_results, name, mode, drop)
 
 def test_relay_resumes_exactly_from_checkpoint(relay_results):
     assert all(out["resume"] for out in relay_results)
+    assert all(out["resume_world_size"] for out in relay_results)
+
+
+def test_relay_keeps_its_per_bucket_state_in_bucket_state(relay_results):
+    for out in relay_results:
+        algorithm_keys, bucket_keys = out["state_keys"]
+        assert algorithm_keys == ["dropped", "generator", "last_counts", "received_counts", "step"]
+        assert bucket_keys and all(keys == ["relay_received"] for keys in bucket_keys.values())
+        assert out["state_is_live"]
 
 
 # ---------------------------------------- allreduce_average and decentralized, 4 workers

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from bagua_algos.algorithms import RelayAlgorithm
 from bagua_algos.algorithms.relay import relay_average, relay_messages
-from bagua_algos.algorithms.topology_arg import check_topology_arg, resolve_topology
+from bagua_algos.runtime.topology import check_topology_arg, resolve_topology
 from topologies import Topology
 
 PROPERTY = settings(max_examples=60, deadline=None)

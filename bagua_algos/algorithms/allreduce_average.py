@@ -10,53 +10,20 @@ With ``communication_interval`` k > 1 the mean is taken at steps 1, k+1, 2k+1, �
 
 from __future__ import annotations
 
-from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+from ..arguments import check_interval
+from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry
+from .model_averaging import ModelAveragingAlgorithmImpl
 
-__all__ = ["AllreduceAverageAlgorithm", "AllreduceAverageAlgorithmImpl", "check_interval", "communicates_at"]
-
-
-def check_interval(communication_interval) -> int:
-    if isinstance(communication_interval, bool) or not isinstance(communication_interval, int) or communication_interval < 1:
-        raise ValueError(f"communication_interval must be an int >= 1, got {communication_interval!r}")
-    return communication_interval
+__all__ = ["AllreduceAverageAlgorithm", "AllreduceAverageAlgorithmImpl"]
 
 
-def communicates_at(step: int, communication_interval: int) -> bool:
-    """Bagua's schedule: training step ``step`` (counted from 1) communicates when
-    (step − 1) mod interval = 0, i.e. at steps 1, k+1, 2k+1, …"""
-    return (step - 1) % communication_interval == 0
-
-
-class AllreduceAverageAlgorithmImpl(AlgorithmImpl):
-    def __init__(self, process_group, communication_interval: int = 1):
-        super().__init__(process_group)
-        self.communication_interval = communication_interval
-
-    def init_tensors(self, bagua_ddp):
-        self.tensors = [
-            param.ensure_bagua_tensor(name, bagua_ddp.bagua_module_name)
-            for name, param in reversed(bagua_ddp.bagua_build_params())
-        ]
-        return self.tensors
+class AllreduceAverageAlgorithmImpl(ModelAveragingAlgorithmImpl):
+    """The parameters after the optimizer step, averaged by one allreduce per bucket
+    (registration, hooks and schedule: :class:`ModelAveragingAlgorithmImpl`)."""
 
     def init_operations(self, bagua_ddp, bucket) -> None:
         bucket.clear_ops()
         bucket.append_centralized_synchronous_op(average=True, group=self.process_group)
-
-    def init_backward_hook(self, bagua_ddp):
-        return lambda name, param: None  # gradients stay local
-
-    def init_post_backward_hook(self, bagua_ddp):
-        return lambda: None
-
-    def init_post_optimizer_step_hook(self, bagua_ddp):
-        def hook(optimizer):
-            if communicates_at(bagua_ddp.bagua_train_step_counter, self.communication_interval):
-                for tensor in self.tensors:
-                    tensor.bagua_mark_communication_ready()
-                bagua_ddp._bagua_backend.wait_pending_comm_ops()
-
-        return hook
 
 
 class AllreduceAverageAlgorithm(Algorithm):

@@ -31,14 +31,19 @@ import threading
 import time
 import warnings
 
+from ..arguments import check_choice, check_int
 from ..runtime import comm
 from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from ..runtime.bucket import BaguaBucket
+from .model_averaging import ModelAveragingAlgorithmImpl
 
 __all__ = ["AsyncModelAverageAlgorithm", "AsyncModelAverageAlgorithmImpl"]
 
 
-class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
+class AsyncModelAverageAlgorithmImpl(ModelAveragingAlgorithmImpl):
+    """Model averaging after the warm-up; during it, gradient allreduce (the
+    defaults of ``AlgorithmImpl``), so the hooks are its own."""
+
     def __init__(self, process_group, peer_selection_mode: str = "all", sync_interval_ms: int = 500,
                  warmup_steps: int = 0):
         super().__init__(process_group)
@@ -68,13 +73,9 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
         return self.warmup_steps > 0 and self.step_id == self.warmup_steps + 1
 
     def init_tensors(self, bagua_ddp):
-        parameters = bagua_ddp.bagua_build_params()
         if self._warmup_buckets:
-            return super().init_tensors(bagua_ddp)
-        self.tensors = [
-            param.ensure_bagua_tensor(name, bagua_ddp.bagua_module_name) for name, param in reversed(parameters)
-        ]
-        return self.tensors
+            return AlgorithmImpl.init_tensors(self, bagua_ddp)  # the gradients
+        return super().init_tensors(bagua_ddp)  # the parameters
 
     def tensors_to_buckets(self, tensors, do_flatten):
         if not any(tensors):
@@ -230,14 +231,9 @@ class AsyncModelAverageAlgorithm(Algorithm):
     """
 
     def __init__(self, peer_selection_mode: str = "all", sync_interval_ms: int = 500, warmup_steps: int = 0):
-        if peer_selection_mode != "all":
-            raise ValueError(f"peer_selection_mode must be 'all', got {peer_selection_mode!r}")
-        for name, value in (("sync_interval_ms", sync_interval_ms), ("warmup_steps", warmup_steps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        self.peer_selection_mode = peer_selection_mode
-        self.sync_interval_ms = sync_interval_ms
-        self.warmup_steps = warmup_steps
+        self.peer_selection_mode = check_choice("peer_selection_mode", peer_selection_mode, ("all",))
+        self.sync_interval_ms = check_int("sync_interval_ms", sync_interval_ms, 0)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
 
     def reify(self, process_group) -> AsyncModelAverageAlgorithmImpl:
         return AsyncModelAverageAlgorithmImpl(

@@ -15,9 +15,9 @@ exact average). The result is g ≈ (1/n) Σ_i g_i (``average=True``) or Σ_i g_
 
 from __future__ import annotations
 
+from ..arguments import check_flag
 from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from ..runtime.bucket import aligned_buckets
-from .gradient_allreduce import check_flag
 
 __all__ = ["ByteGradAlgorithm", "ByteGradAlgorithmImpl"]
 

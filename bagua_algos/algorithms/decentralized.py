@@ -26,38 +26,30 @@ result is broadcast within the node; on one node that is the exact average.
 
 from __future__ import annotations
 
+from ..arguments import check_choice, check_flag, check_interval
+from ..runtime import comm
 from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from ..runtime.bucket import BaguaBucket
 from ..runtime.ops import PEER_SELECTION_MODES, shift_one_peer
-from .allreduce_average import check_interval, communicates_at
-from .gradient_allreduce import check_flag
-from .topology_arg import check_topology_arg, resolve_topology
-from ..runtime import comm
+from ..runtime.topology import check_topology_arg, resolve_topology
+from .model_averaging import ModelAveragingAlgorithmImpl
 
 __all__ = ["DecentralizedAlgorithm", "DecentralizedAlgorithmImpl", "shift_one_peer", "PEER_SELECTION_MODES"]
 
 
-class DecentralizedAlgorithmImpl(AlgorithmImpl):
+class DecentralizedAlgorithmImpl(ModelAveragingAlgorithmImpl):
     def __init__(self, process_group, hierarchical=True, peer_selection_mode="all",
                  communication_interval=1, topology=None):
-        super().__init__(process_group)
+        super().__init__(process_group, communication_interval)
         self.hierarchical = hierarchical
         self.peer_selection_mode = peer_selection_mode
-        self.communication_interval = communication_interval
         self.topology = None
         if topology is not None:
-            peers = comm.get_world_size() // comm.get_local_size() if hierarchical else comm.get_world_size(process_group)
-            self.topology = resolve_topology(topology, peers)
-
-    def _should_communicate(self, bagua_ddp) -> bool:
-        return communicates_at(bagua_ddp.bagua_train_step_counter, self.communication_interval)
-
-    def init_tensors(self, bagua_ddp):
-        self.tensors = [
-            param.ensure_bagua_tensor(name, bagua_ddp.bagua_module_name)
-            for name, param in reversed(bagua_ddp.bagua_build_params())
-        ]
-        return self.tensors
+            if hierarchical:
+                peers, members = comm.get_world_size() // comm.get_local_size(), "the gossip between node leaders"
+            else:
+                peers, members = comm.get_world_size(process_group), "the process group"
+            self.topology = resolve_topology(topology, peers, members=members)
 
     def tensors_to_buckets(self, tensors, do_flatten):
         tensors = [t for group in tensors for t in group]
@@ -87,9 +79,6 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
 
         return hook
 
-    def init_backward_hook(self, bagua_ddp):
-        return lambda name, param: None  # gradients stay local
-
     def init_post_backward_hook(self, bagua_ddp):
         def hook():
             if self._should_communicate(bagua_ddp):
@@ -98,6 +87,10 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
                     bucket._decentralized_op.copy_back_peer_weight(bucket)
 
         return hook
+
+    # The exchange runs during forward and backward, not after the optimizer step (the
+    # default hook, which also tells with_bagua that no optimizer is needed).
+    init_post_optimizer_step_hook = AlgorithmImpl.init_post_optimizer_step_hook
 
 
 _UNSET = object()
@@ -123,10 +116,7 @@ class DecentralizedAlgorithm(Algorithm):
                  communication_interval: int = 1, topology=None):
         if hierarchical is not _UNSET:
             check_flag("hierarchical", hierarchical)
-        if peer_selection_mode not in PEER_SELECTION_MODES:
-            raise ValueError(
-                f"peer_selection_mode must be one of {list(PEER_SELECTION_MODES)}, got {peer_selection_mode!r}"
-            )
+        peer_selection_mode = check_choice("peer_selection_mode", peer_selection_mode, PEER_SELECTION_MODES)
         if topology is not None:
             check_topology_arg(topology)
             if hierarchical is True:

@@ -9,17 +9,10 @@ is ready, so communication overlaps the rest of backward; the post-backward hook
 
 from __future__ import annotations
 
+from ..arguments import check_flag
 from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 
-__all__ = ["GradientAllReduceAlgorithm", "GradientAllReduceAlgorithmImpl", "check_flag"]
-
-
-def check_flag(name: str, value) -> bool:
-    """``value`` if it is True or False; anything else (e.g. the string "false", which
-    ``bool()`` would read as True) is refused."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-    return value
+__all__ = ["GradientAllReduceAlgorithm", "GradientAllReduceAlgorithmImpl"]
 
 
 class GradientAllReduceAlgorithmImpl(AlgorithmImpl):

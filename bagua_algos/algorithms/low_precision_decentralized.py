@@ -21,27 +21,21 @@ broadcast, so every copy starts at the common model).
 
 from __future__ import annotations
 
-import torch
-
-from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
-from .allreduce_average import check_interval, communicates_at
-from .gradient_allreduce import check_flag
+from ..arguments import check_flag, check_interval
+from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry
+from .model_averaging import ModelAveragingAlgorithmImpl
 
 __all__ = ["LowPrecisionDecentralizedAlgorithm", "LowPrecisionDecentralizedAlgorithmImpl"]
 
 
-class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
+class LowPrecisionDecentralizedAlgorithmImpl(ModelAveragingAlgorithmImpl):
     def __init__(self, process_group, hierarchical: bool = True, communication_interval: int = 1):
-        super().__init__(process_group)
+        super().__init__(process_group, communication_interval)
         self.hierarchical = hierarchical
-        self.communication_interval = communication_interval
-
-    def _should_communicate(self, bagua_ddp) -> bool:
-        return communicates_at(bagua_ddp.bagua_train_step_counter, self.communication_interval)
 
     def init_tensors(self, bagua_ddp):
+        super().init_tensors(bagua_ddp)
         parameters = bagua_ddp.bagua_build_params()
-        self.tensors = [param.ensure_bagua_tensor(name, bagua_ddp.bagua_module_name) for name, param in reversed(parameters)]
         in_optimizers = {id(p) for opt in bagua_ddp.bagua_optimizers for group in opt.param_groups for p in group["params"]}
         for name, param in parameters:
             if id(param) not in in_optimizers:
@@ -52,14 +46,9 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
                 )
         return self.tensors
 
-    def init_backward_hook(self, bagua_ddp):
-        return lambda name, param: None  # gradients stay local
-
-    def init_post_backward_hook(self, bagua_ddp):
-        return lambda: None
-
     def init_post_optimizer_step_hook(self, bagua_ddp):
-        def hook(optimizer: torch.optim.Optimizer):
+        # Bagua's: the parameters of the optimizer that stepped (every parameter is in one).
+        def hook(optimizer):
             if self._should_communicate(bagua_ddp):
                 for group in optimizer.param_groups:
                     for param in group["params"]:

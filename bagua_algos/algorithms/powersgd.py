@@ -62,27 +62,13 @@ from ..compression import orthogonalization
 from ..compression import powersgd as psgd
 from ..compression.orthogonalization import METHODS as ORTHOGONALIZATION_METHODS
 from ..compression.orthogonalization import DEFAULT_EPSILON
+from ..arguments import check_choice, check_flag, check_int, check_real, check_seed
 from ..runtime import comm
 from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
-from .gradient_allreduce import check_flag
 
 __all__ = ["PowerSGDAlgorithm", "PowerSGDAlgorithmImpl", "ASYNC_ERROR_MODES"]
 
 ASYNC_ERROR_MODES = (None, "full", "adaptive")
-
-
-def _check_number(name: str, value, low: float, high: float = math.inf, what: str = "") -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not (low <= value <= high):
-        bounds = what or (f"a finite number in [{low}, {high}]" if high < math.inf else f"a finite number >= {low}")
-        raise ValueError(f"{name} must be {bounds}, got {value!r}")
-    return float(value)
-
-
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return value
 
 
 class PowerSGDAlgorithmImpl(AlgorithmImpl):
@@ -414,23 +400,17 @@ class PowerSGDAlgorithm(Algorithm):
                  warm_start: bool = True, error_feedback: bool = True, error_decay: float = 1.0,
                  orthogonalization: str = "auto", epsilon: float = DEFAULT_EPSILON, seed: int = 0,
                  nesterov: float = 0.0, async_error=None, error_in_grad: bool = False):
-        self.rank = _check_int("rank", rank, 1)
-        self.start_iter = _check_int("start_iter", start_iter, 0)
-        self.min_compression_rate = _check_number("min_compression_rate", min_compression_rate, 1.0)
+        self.rank = check_int("rank", rank, 1)
+        self.start_iter = check_int("start_iter", start_iter, 0)
+        self.min_compression_rate = check_real("min_compression_rate", min_compression_rate, 1.0)
         self.warm_start = check_flag("warm_start", warm_start)
         self.error_feedback = check_flag("error_feedback", error_feedback)
-        self.error_decay = _check_number("error_decay", error_decay, 0.0, 1.0)
-        if orthogonalization not in ORTHOGONALIZATION_METHODS:
-            raise ValueError(f"orthogonalization must be one of {list(ORTHOGONALIZATION_METHODS)}, got {orthogonalization!r}")
-        self.orthogonalization = orthogonalization
-        self.epsilon = _check_number("epsilon", epsilon, 0.0)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an int, got {seed!r}")
-        self.seed = seed
-        self.nesterov = _check_number("nesterov", nesterov, 0.0)
-        if async_error not in ASYNC_ERROR_MODES:
-            raise ValueError(f"async_error must be one of {list(ASYNC_ERROR_MODES)}, got {async_error!r}")
-        self.async_error = async_error
+        self.error_decay = check_real("error_decay", error_decay, 0.0, 1.0)
+        self.orthogonalization = check_choice("orthogonalization", orthogonalization, ORTHOGONALIZATION_METHODS)
+        self.epsilon = check_real("epsilon", epsilon, 0.0)
+        self.seed = check_seed(seed)
+        self.nesterov = check_real("nesterov", nesterov, 0.0)
+        self.async_error = async_error = check_choice("async_error", async_error, ASYNC_ERROR_MODES)
         self.error_in_grad = check_flag("error_in_grad", error_in_grad)
         needs_error = [n for n, on in (("nesterov", self.nesterov > 0), ("async_error", async_error is not None),
                                         ("error_in_grad", self.error_in_grad)) if on]

@@ -35,28 +35,17 @@ Everything needed to resume is the optimizer's own state (``optimizer.state_dict
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from typing import Tuple
 
 import torch
 from torch.optim.optimizer import Optimizer
 
+from ..arguments import check_choice, check_flag, check_int, check_real
 from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from ..runtime.bucket import aligned_buckets
-from .gradient_allreduce import check_flag
 
 __all__ = ["QAdamOptimizer", "QAdamAlgorithm", "QAdamAlgorithmImpl"]
-
-
-def _check_real(name: str, value, low: float, high: float = math.inf, high_open: bool = False) -> float:
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = value >= low and (value < high if high_open else value <= high)
-    if not ok:
-        upper = f" and < {high}" if high_open else ""
-        raise ValueError(f"{name} must be a finite number >= {low}{upper}, got {value!r}")
-    return float(value)
 
 
 class QAdamOptimizer(Optimizer):
@@ -83,20 +72,16 @@ class QAdamOptimizer(Optimizer):
     def __init__(self, params, lr: float = 1e-3, warmup_steps: int = 100,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  variant: str = "bagua"):
-        _check_real("lr", lr, 0.0)
-        _check_real("eps", eps, 0.0)
-        _check_real("weight_decay", weight_decay, 0.0)
+        check_real("lr", lr, 0.0)
+        check_real("eps", eps, 0.0)
+        check_real("weight_decay", weight_decay, 0.0)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair (beta1, beta2), each in [0, 1), got {betas!r}")
-        _check_real("betas[0]", betas[0], 0.0, 1.0, high_open=True)
-        _check_real("betas[1]", betas[1], 0.0, 1.0, high_open=True)
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 2:
-            raise ValueError(
-                f"warmup_steps must be an int >= 2 (v is estimated on steps 1 .. warmup_steps - 1 only; "
-                f"with fewer Adam would divide by eps), got {warmup_steps!r}"
-            )
-        if variant not in self.VARIANTS:
-            raise ValueError(f"variant must be one of {list(self.VARIANTS)}, got {variant!r}")
+        check_real("betas[0]", betas[0], 0.0, 1.0, high_open=True)
+        check_real("betas[1]", betas[1], 0.0, 1.0, high_open=True)
+        warmup_steps = check_int("warmup_steps", warmup_steps, 2, what=(
+            "an int >= 2 (v is estimated on steps 1 .. warmup_steps - 1 only; with fewer Adam would divide by eps)"))
+        variant = check_choice("variant", variant, self.VARIANTS)
         if variant == "bagua" and weight_decay > 0:
             warnings.warn(
                 f"QAdamOptimizer(weight_decay={weight_decay}) with variant='bagua' does not apply the weight decay, "

@@ -27,14 +27,13 @@ adds the received messages to x½ in place in neighbor order and divides once.
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
+from ..arguments import check_choice, check_real, check_seed
 from ..runtime import comm
-from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
-from .topology_arg import check_topology_arg, resolve_topology
+from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry
+from ..runtime.topology import check_topology_arg, resolve_topology
+from .model_averaging import ModelAveragingAlgorithmImpl
 
 __all__ = ["RelayAlgorithm", "RelayAlgorithmImpl", "RELAY_MODES", "relay_messages", "relay_average", "coordinate_ranges"]
 
@@ -114,7 +113,10 @@ def coordinate_ranges(numel: int, parts: int) -> list[tuple[int, int]]:
 class _Link:
     """One (bucket, tree) slice: its coordinates, the last message received from each
     tree neighbor and, with two or more neighbors, a second buffer per neighbor (the
-    messages are built in the received buffers, so the next ones arrive elsewhere)."""
+    messages are built in the received buffers, so the next ones arrive elsewhere).
+
+    ``recv`` is the dict that the bucket's ``state`` holds (so checkpoints cover it):
+    it is updated in place, never replaced."""
 
     def __init__(self, start, end, neighbors, dtype, device):
         self.start, self.end = start, end
@@ -126,7 +128,13 @@ class _Link:
             self.spare = {j: torch.zeros(size, dtype=dtype, device=device) for j in self.neighbors}
 
 
-class RelayAlgorithmImpl(AlgorithmImpl):
+class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
+    """Per bucket, in ``bucket.state`` (saved by ``bagua_state_dict()`` with no code of
+    its own): ``relay_received`` (tree → neighbor → last message m_{j→i} of that
+    slice) and, in mode "world_size", ``relay_x0``. The rest is the same for every
+    bucket and is the algorithm's ``state_dict()``: step, counts heard per tree link,
+    last n̄ per tree, drops and the drop generator."""
+
     def __init__(self, process_group, topology, mode, drop_rate, seed):
         super().__init__(process_group)
         self.global_ranks = comm.group_ranks(process_group)
@@ -136,12 +144,12 @@ class RelayAlgorithmImpl(AlgorithmImpl):
         self.trees = self.topology.trees
         self.mode = mode
         self.drop_rate = drop_rate
-        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + self.me)
+        # (mod 2**64: any seed in [0, 2**63) gives manual_seed a value it takes)
+        self.generator = torch.Generator().manual_seed((seed * 1_000_003 + self.me) % 2**64)
         self.step = 0
         self.last_counts: list[float] = [1.0] * len(self.trees)  # n̄ of each tree, last step
         self.dropped = 0
         self._links: dict[tuple[str, int], _Link] = {}
-        self._x0: dict[str, torch.Tensor] = {}
         # Counts are per tree link (equal for every bucket): c_{j→i} heard last step.
         self._heard_counts = [{j: 0.0 for j in tree.neighbors(self.me)} for tree in self.trees]
         # Each neighbor (in any tree) exchanges one float64 tensor of counts per step,
@@ -153,25 +161,14 @@ class RelayAlgorithmImpl(AlgorithmImpl):
         self._count_send: dict[int, torch.Tensor] = {}
         self._count_recv: dict[int, torch.Tensor] = {}
 
-    def init_tensors(self, bagua_ddp):
-        # The parameters themselves are communicated (one flattened buffer per bucket).
-        return [
-            param.ensure_bagua_tensor(name, bagua_ddp.bagua_module_name)
-            for name, param in reversed(bagua_ddp.bagua_build_params())
-        ]
-
-    def init_backward_hook(self, bagua_ddp):
-        return lambda name, param: None
-
-    def init_post_backward_hook(self, bagua_ddp):
-        return lambda: None
-
     def init_operations(self, bagua_ddp, bucket):
         # No bucket ops: the relay runs on the training thread after the optimizer step.
         bucket.clear_ops()
         ranges = coordinate_ranges(bucket.numel, len(self.trees))
+        received = bucket.state["relay_received"] = {}
         for k, (tree, (start, end)) in enumerate(zip(self.trees, ranges)):
-            self._links[(bucket.name, k)] = _Link(start, end, tree.neighbors(self.me), bucket.dtype, bucket.device)
+            link = self._links[(bucket.name, k)] = _Link(start, end, tree.neighbors(self.me), bucket.dtype, bucket.device)
+            received[k] = link.recv
         if not self._count_send:
             # Counts live on the CPU whatever the model's device: they are read on the host
             # every step (n̄ is a Python float), so on a GPU they travel over gloo beside the
@@ -181,7 +178,7 @@ class RelayAlgorithmImpl(AlgorithmImpl):
                 self._count_recv[j] = torch.zeros(len(trees), dtype=torch.float64)
         if self.mode == "world_size":
             # with_bagua broadcast the parameters before calling us: this is the common x0.
-            self._x0[bucket.name] = bucket.flattened_tensor()
+            bucket.state["relay_x0"] = bucket.flattened_tensor()
 
     def init_post_optimizer_step_hook(self, bagua_ddp):
         def hook(optimizer):
@@ -203,7 +200,7 @@ class RelayAlgorithmImpl(AlgorithmImpl):
                 messages, targets = relay_messages(flat[link.start:link.end], link.recv, link.spare)
                 if link.spare:  # each neighbor has two buffers: the one not received into is spare
                     link.spare = {j: link.spare[j] if targets[j] is link.recv[j] else link.recv[j] for j in link.neighbors}
-                link.recv = targets
+                link.recv.update(targets)  # in place: bucket.state holds this dict
                 for j in link.neighbors:
                     sends.append((ranks[j], messages[j]))
                     recvs.append((ranks[j], targets[j]))
@@ -229,7 +226,7 @@ class RelayAlgorithmImpl(AlgorithmImpl):
             for k in range(len(self.trees)):
                 link = self._links[(bucket.name, k)]
                 received = [link.recv[j] for j in link.neighbors if (k, j) not in dropped]
-                x0 = self._x0[bucket.name][link.start:link.end] if self.mode == "world_size" else None
+                x0 = bucket.state["relay_x0"][link.start:link.end] if self.mode == "world_size" else None
                 relay_average(flat[link.start:link.end], received, n_bars[k], self.mode, self.n, x0)
                 for tree_index, peer in dropped:
                     if tree_index == k:
@@ -250,34 +247,27 @@ class RelayAlgorithmImpl(AlgorithmImpl):
         self.dropped += len(dropped)
         return dropped
 
-    # --- checkpointing -------------------------------------------------------------
+    # --- checkpointing (the messages and x0 are in bucket.state) ----------------------
     def state_dict(self) -> dict:
         return {
             "step": self.step,
             "last_counts": list(self.last_counts),
             "dropped": self.dropped,
             "generator": self.generator.get_state(),
-            # last step's messages m_{j→i} (per bucket/tree/neighbor) and counts c_{j→i} (per tree/neighbor)
-            "received": {f"{b}/{k}/{j}": t.clone() for (b, k), link in self._links.items() for j, t in link.recv.items()},
+            # last step's counts c_{j→i} (per tree/neighbor)
             "received_counts": {f"{k}/{j}": c for k, heard in enumerate(self._heard_counts) for j, c in heard.items()},
-            "x0": {b: t.clone() for b, t in self._x0.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
+        # Loaded before the buckets' state: a checkpoint of another topology is refused
+        # here, before its messages would be copied into this one's buffers.
         super().load_state_dict(state)
-        received_keys = {f"{b}/{k}/{j}" for (b, k), link in self._links.items() for j in link.recv}
         count_keys = {f"{k}/{j}" for k, heard in enumerate(self._heard_counts) for j in heard}
-        if (set(state["received"]) != received_keys or set(state["received_counts"]) != count_keys
-                or set(state["x0"]) != set(self._x0)):
-            raise ValueError("relay state does not match this model's buckets and topology")
-        for (b, k), link in self._links.items():
-            for j, t in link.recv.items():
-                t.copy_(state["received"][f"{b}/{k}/{j}"])
+        if set(state["received_counts"]) != count_keys:
+            raise ValueError("relay state does not match this model's topology")
         for k, heard in enumerate(self._heard_counts):
             for j in heard:
                 heard[j] = float(state["received_counts"][f"{k}/{j}"])
-        for b, t in self._x0.items():
-            t.copy_(state["x0"][b])
         self.step = int(state["step"])
         self.last_counts = list(state["last_counts"])
         self.dropped = int(state["dropped"])
@@ -297,16 +287,11 @@ class RelayAlgorithm(Algorithm):
 
     def __init__(self, topology="double_binary_tree", mode: str = "count", drop_rate: float = 0.0, seed: int = 0):
         check_topology_arg(topology)
-        if mode not in RELAY_MODES:
-            raise ValueError(f"mode must be one of {list(RELAY_MODES)}, got {mode!r}")
-        if not isinstance(drop_rate, (int, float)) or math.isnan(drop_rate) or not 0.0 <= drop_rate < 1.0:
-            raise ValueError(f"drop_rate must be a probability in [0, 1), got {drop_rate!r}")
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-            raise ValueError(f"seed must be an int, got {seed!r}")
         self.topology = topology
-        self.mode = mode
-        self.drop_rate = float(drop_rate)
-        self.seed = int(seed)
+        self.mode = check_choice("mode", mode, RELAY_MODES)
+        self.drop_rate = check_real("drop_rate", drop_rate, 0.0, 1.0, high_open=True,
+                                    what="a probability in [0, 1)")
+        self.seed = check_seed(seed)
 
     def reify(self, process_group) -> RelayAlgorithmImpl:
         return RelayAlgorithmImpl(process_group, self.topology, self.mode, self.drop_rate, self.seed)

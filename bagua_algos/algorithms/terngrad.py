@@ -26,17 +26,14 @@ A worker sends (n−1)/n · (N·bits/8 + 10n) bytes in the all-to-all and about 
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
+from ..arguments import check_choice, check_flag, check_real, check_seed
 from ..compression import minmax
 from ..runtime import comm
 from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from ..runtime.bucket import aligned_buckets
 from ..runtime.ops import compressed_scatter_gather
-from .gradient_allreduce import check_flag
 
 __all__ = ["TernGradAlgorithm", "TernGradAlgorithmImpl", "clip_by_std"]
 
@@ -118,20 +115,14 @@ class TernGradAlgorithm(Algorithm):
 
     def __init__(self, bits: int = 2, stochastic: bool = True, error_feedback: bool = False, clip=None,
                  seed: int = 0):
-        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in minmax.VALID_BITS:
-            raise ValueError(f"bits must be one of {list(minmax.VALID_BITS)}, got {bits!r}")
-        self.bits = bits
+        self.bits = check_choice("bits", bits, minmax.VALID_BITS)
         self.stochastic = check_flag("stochastic", stochastic)
         self.error_feedback = check_flag("error_feedback", error_feedback)
         if clip is not None:
-            ok = isinstance(clip, numbers.Real) and not isinstance(clip, bool) and math.isfinite(clip) and clip > 0
-            if not ok:
-                raise ValueError(f"clip must be None (no clipping) or a finite number > 0 (e.g. 2.5), got {clip!r}")
-            clip = float(clip)
+            clip = check_real("clip", clip, 0.0, low_open=True,
+                              what="None (no clipping) or a finite number > 0 (e.g. 2.5)")
         self.clip = clip
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
-        self.seed = seed
+        self.seed = check_seed(seed)
 
     def reify(self, process_group) -> TernGradAlgorithmImpl:
         return TernGradAlgorithmImpl(process_group, bits=self.bits, stochastic=self.stochastic,

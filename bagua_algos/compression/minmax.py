@@ -84,6 +84,8 @@ from typing import Callable, List, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from ..arguments import check_choice, check_flag, check_int
+
 __all__ = [
     "HEADER_BYTES",
     "VALID_BITS",
@@ -113,9 +115,7 @@ _BLOCK = 1 << 18
 
 
 def _check_bits(bits) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in VALID_BITS:
-        raise ValueError(f"bits must be one of 1, 2, 4, 8; got {bits!r}")
-    return bits
+    return check_choice("bits", bits, VALID_BITS)
 
 
 def _check_tensor(tensor, what: str) -> torch.Tensor:
@@ -132,22 +132,17 @@ def _check_tensor(tensor, what: str) -> torch.Tensor:
 
 
 def _check_non_finite(non_finite) -> str:
-    if non_finite not in NON_FINITE:
-        raise ValueError(f"non_finite must be one of {list(NON_FINITE)}, got {non_finite!r}")
-    return non_finite
+    return check_choice("non_finite", non_finite, NON_FINITE)
 
 
 def _check_stochastic(stochastic) -> bool:
-    if not isinstance(stochastic, bool):
-        raise TypeError(f"stochastic must be True or False, got {stochastic!r}")
-    return stochastic
+    return check_flag("stochastic", stochastic)
 
 
 def encoded_size(numel: int, bits: int) -> int:
     """Bytes of one encoded tensor of ``numel`` values at ``bits`` bits (header included)."""
     bits = _check_bits(bits)
-    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+    numel = check_int("numel", numel, 0)
     return HEADER_BYTES + (numel * bits + 7) // 8
 
 
@@ -433,8 +428,7 @@ def marked(buf: torch.Tensor, chunks: int = 1) -> torch.Tensor:
     NaN/inf values): a bool tensor of ``chunks`` on ``buf``'s device, read from the bit
     width bytes without a host synchronisation."""
     buf = _as_buffer(buf)
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks must be a positive int, got {chunks!r}")
+    chunks = check_int("chunks", chunks, 1)
     if buf.numel() % chunks or buf.numel() // chunks < HEADER_BYTES:
         raise ValueError(f"buf of {buf.numel()} bytes does not split into {chunks} encodings")
     return buf.view(chunks, -1)[:, 0] == 0

@@ -53,12 +53,13 @@ Newton–Schulz iterations are not offered: they do not give orthonormal columns
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections import defaultdict
 from typing import Dict, List, Sequence, Tuple
 
 import torch
+
+from ..arguments import check_real
 
 __all__ = [
     "METHODS",
@@ -88,9 +89,7 @@ def check_method(method) -> str:
 
 
 def _check_epsilon(epsilon) -> float:
-    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not (0 <= epsilon < math.inf):
-        raise ValueError(f"epsilon must be a finite number >= 0, got {epsilon!r}")
-    return float(epsilon)
+    return check_real("epsilon", epsilon, 0)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -56,6 +56,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..arguments import check_int, check_real
 from .orthogonalization import DEFAULT_EPSILON, orthogonalize_batches_
 
 __all__ = [
@@ -589,11 +590,8 @@ def compression_summary(module: torch.nn.Module, rank: int, min_compression_rate
     Totals: ``total_uncompressed_bytes``, ``total_compressed_bytes`` and ``total_ratio``.
     These count payloads as the algorithm's live counters do (``bytes_last_step``).
     """
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"rank must be an int >= 1, got {rank!r}")
-    if isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, (int, float)) \
-            or not (1 <= min_compression_rate < math.inf):
-        raise ValueError(f"min_compression_rate must be a finite number >= 1, got {min_compression_rate!r}")
+    rank = check_int("rank", rank, 1)
+    min_compression_rate = check_real("min_compression_rate", min_compression_rate, 1)
     layers = []
     seen = set()
     for name, param in module.named_parameters():

@@ -36,6 +36,7 @@ from typing import Callable, List, Optional
 
 import torch
 
+from ..arguments import check_int
 from . import ops
 from .tensor import BaguaTensor
 
@@ -58,8 +59,7 @@ class BaguaBucket:
                     f"bucket {name!r}: tensors[{index}] is not a Bagua tensor; register it with "
                     "tensor.ensure_bagua_tensor(name, module_name) first"
                 )
-        if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
-            raise ValueError(f"bucket {name!r}: alignment must be an int >= 1, got {alignment!r}")
+        alignment = check_int(f"bucket {name!r}: alignment", alignment, 1)
         module_names = {t.bagua_module_name for t in tensors}
         if len(module_names) > 1:
             raise ValueError(f"bucket {name!r}: every tensor must belong to one module, got {sorted(map(str, module_names))}")
@@ -311,8 +311,7 @@ def split_into_buckets(
     """Bagua's bucketing suggestion: consecutive runs of ``tensors``; a run closes once it
     holds ``bucket_size`` bytes (the first at ``first_bucket_size``, so communication
     starts early in backward, as in torch DDP); a dtype or device change starts a new one."""
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
-        raise ValueError(f"bucket_size must be a positive number of bytes, got {bucket_size!r}")
+    bucket_size = check_int("bucket_size", bucket_size, 1, what="a positive number of bytes")
     groups: list[list] = []
     size = 0
     closed = True

@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from ..arguments import check_int
 from . import comm
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
@@ -31,8 +32,7 @@ def _rank_file(path: str, iteration: int, rank: int) -> str:
 
 def save_checkpoint(iteration: int, checkpoints_path: str, model, optimizer=None, lr_scheduler=None) -> None:
     """Save ``model`` (and optimizer, scheduler) at ``iteration``; collective."""
-    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
-        raise ValueError(f"iteration must be an int >= 0, got {iteration!r}")
+    iteration = check_int("iteration", iteration, 0)
     rank = comm.get_rank() if comm.is_initialized() else 0
     os.makedirs(_iteration_dir(checkpoints_path, iteration), exist_ok=True)
     state = {"iteration": iteration, "model": model.state_dict()}

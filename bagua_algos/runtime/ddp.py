@@ -27,6 +27,7 @@ from typing import Iterable
 
 import torch
 
+from ..arguments import check_choice, check_flag, check_int
 from . import comm
 from .algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from .backend import get_backend
@@ -375,12 +376,9 @@ def with_bagua(
     algorithm = _check_algorithm(algorithm)
     optimizers = _check_optimizers(module, optimizers)
     _check_devices(module)
-    if not isinstance(do_flatten, bool):
-        raise TypeError(f"do_flatten must be True or False, got {do_flatten!r}")
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
-        raise ValueError(f"bucket_size must be a positive number of bytes, got {bucket_size!r}")
-    if broadcast_buffers not in BROADCAST_BUFFERS_CHOICES or isinstance(broadcast_buffers, int) and not isinstance(broadcast_buffers, bool):
-        raise ValueError(f"broadcast_buffers must be one of {list(BROADCAST_BUFFERS_CHOICES)}, got {broadcast_buffers!r}")
+    check_flag("do_flatten", do_flatten)
+    bucket_size = check_int("bucket_size", bucket_size, 1, what="a positive number of bytes")
+    broadcast_buffers = check_choice("broadcast_buffers", broadcast_buffers, BROADCAST_BUFFERS_CHOICES)
     if process_group is None:
         process_group = comm._get_default_group()
     if comm.group_rank(process_group) < 0:

@@ -14,6 +14,7 @@ import torch
 
 from ..compression import minmax
 from . import comm
+from .topology import resolve_topology
 
 __all__ = [
     "PythonOp",
@@ -125,6 +126,22 @@ def shift_one_peer(rank: int, world_size: int, step: int) -> int:
     return (rank - half - step) % half
 
 
+def within_nodes(x: torch.Tensor, leader_work, intra=None, is_leader: bool = True,
+                 op=comm.ReduceOp.AVG) -> None:
+    """Bagua's hierarchical pattern on ``x``, in place: reduce it within the node
+    (``op`` over ``intra``), let the node leader run ``leader_work(x)``, broadcast the
+    leader's ``x`` back within the node. ``intra=None`` (not hierarchical): only
+    ``leader_work(x)``, where ``is_leader``. A node of one process skips its
+    collectives, which would change nothing."""
+    within = intra is not None and intra.nranks() > 1
+    if within:
+        comm.allreduce_inplace(x, op, group=intra)
+    if is_leader:
+        leader_work(x)
+    if within:
+        comm.broadcast(x, src=comm.get_node_rank() * comm.get_local_size(), group=intra)
+
+
 def _is_whole_world(group) -> bool:
     return group is None or comm.group_ranks(group) == list(range(comm.get_world_size()))
 
@@ -193,13 +210,11 @@ class CentralizedSynchronousOp:
         if not self.hierarchical:
             compressed_scatter_gather(x, MINMAX_UINT8_BITS, self.average, self.group)
         else:
-            if self._intra.nranks() > 1:
-                comm.allreduce_inplace(x, self.op, group=self._intra)
-            if self._leaders is not None and self._leaders.nranks() > 1:
-                # (one node: the exact node average is already the result)
-                compressed_scatter_gather(x, MINMAX_UINT8_BITS, self.average, self._leaders)
-            if self._intra.nranks() > 1:
-                comm.broadcast(x, src=comm.get_node_rank() * comm.get_local_size(), group=self._intra)
+            def among_leaders(x):
+                if self._leaders.nranks() > 1:  # (one node: the exact node average is already the result)
+                    compressed_scatter_gather(x, MINMAX_UINT8_BITS, self.average, self._leaders)
+
+            within_nodes(x, among_leaders, self._intra, self._leaders is not None, self.op)
         if x is not flat:
             flat.copy_(x)
 
@@ -264,16 +279,8 @@ class DecentralizedSynchronousOp:
         self.topology = None
         self._received: dict = {}
         if topology is not None:
-            from topologies import Topology, get_topology
-
-            if isinstance(topology, str):
-                topology = get_topology(topology, len(self.peer_ranks))
-            if not isinstance(topology, Topology) or topology.world_size != len(self.peer_ranks):
-                raise ValueError(
-                    f"topology must be a Topology over the {len(self.peer_ranks)} gossiping "
-                    f"{'nodes' if self.hierarchical else 'workers'}, got {topology!r}"
-                )
-            self.topology = topology
+            members = "the gossip between node leaders" if self.hierarchical else "the process group"
+            self.topology = topology = resolve_topology(topology, len(self.peer_ranks), members=members)
             self.weights = topology.gossip_weights(self.my_index)
             self._received = {j: torch.empty_like(_effective(peer_weight)) for j in topology.neighbors(self.my_index)}
         elif peer_selection_mode == "shift_one":
@@ -288,12 +295,7 @@ class DecentralizedSynchronousOp:
             return
         x = _effective(self.peer_weight)
         x.copy_(bucket.flat_view())
-        if self.hierarchical:
-            comm.allreduce_inplace(x, comm.ReduceOp.AVG, group=comm.intra_node_group())
-        if self.is_leader:
-            self._gossip(x)
-        if self.hierarchical:
-            comm.broadcast(x, src=comm.get_node_rank() * comm.get_local_size(), group=comm.intra_node_group())
+        within_nodes(x, self._gossip, comm.intra_node_group() if self.hierarchical else None, self.is_leader)
         self._state["decentralized_exchanges"] += 1
 
     @property
@@ -397,17 +399,12 @@ class LowPrecisionDecentralizedSynchronousOp:
 
     def __call__(self, bucket) -> None:
         flat = bucket.flat_view()
-        intra = self._intra is not None and self._intra.nranks() > 1
-        if not intra and len(self.peer_ranks) == 1 and flat.dtype == torch.float32:
+        one_worker = (self._intra is None or self._intra.nranks() == 1) and len(self.peer_ranks) == 1
+        if one_worker and flat.dtype == torch.float32:
             x = flat.detach()  # one worker: the step reads x once and ends writing x ← w
         else:
             x = flat.detach().clone() if flat.dtype == torch.float32 else flat.detach().float()
-        if intra:
-            comm.allreduce_inplace(x, comm.ReduceOp.AVG, group=self._intra)
-        if self.is_leader:
-            self._ring_step(x)
-        if intra:
-            comm.broadcast(x, src=comm.get_node_rank() * comm.get_local_size(), group=self._intra)
+        within_nodes(x, self._ring_step, self._intra, self.is_leader)
         if x is not flat:
             with torch.no_grad():
                 flat.copy_(x)

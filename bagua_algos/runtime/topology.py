@@ -1,4 +1,8 @@
-"""Turning an algorithm's ``topology=`` argument into a checked Topology."""
+"""Turning a ``topology=`` argument (a name or a Topology) into a checked Topology.
+
+The one place where that happens: algorithms check the argument in their constructor
+(:func:`check_topology_arg`) and resolve it against their process group in ``reify``;
+the decentralized op resolves what it is given with the same function."""
 
 from __future__ import annotations
 
@@ -16,17 +20,19 @@ def check_topology_arg(topology) -> None:
         )
 
 
-def resolve_topology(topology, world_size: int, require_tree: bool = False) -> Topology:
+def resolve_topology(topology, world_size: int, require_tree: bool = False,
+                     members: str = "the process group") -> Topology:
     """``topology`` (a name or a Topology) over ``world_size`` ranks.
 
-    A Topology instance must have exactly ``world_size`` ranks: the process group's size.
+    A Topology instance must have exactly ``world_size`` ranks: the size of ``members``
+    (the process group, or the node leaders for a gossip between nodes).
     """
     check_topology_arg(topology)
     if isinstance(topology, str):
         topology = get_topology(topology, world_size)
     elif topology.world_size != world_size:
         raise ValueError(
-            f"topology {topology!r} has {topology.world_size} ranks but the process group has "
+            f"topology {topology!r} has {topology.world_size} ranks but {members} has "
             f"{world_size}; build it with world_size={world_size}"
         )
     if require_tree and not topology.is_tree():

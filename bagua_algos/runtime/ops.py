@@ -215,7 +215,7 @@ class CentralizedSynchronousOp:
                     compressed_scatter_gather(x, MINMAX_UINT8_BITS, self.average, self._leaders)
 
             within_nodes(x, among_leaders, self._intra, self._leaders is not None, self.op)
-        if x is not flat:
+        if x.data_ptr() != flat.data_ptr():
             flat.copy_(x)
 
     def _reduce_scatter_gather(self, flat: torch.Tensor) -> None:
@@ -405,7 +405,7 @@ class LowPrecisionDecentralizedSynchronousOp:
         else:
             x = flat.detach().clone() if flat.dtype == torch.float32 else flat.detach().float()
         within_nodes(x, self._ring_step, self._intra, self.is_leader)
-        if x is not flat:
+        if x.data_ptr() != flat.data_ptr():
             with torch.no_grad():
                 flat.copy_(x)
         bucket.write_flat(flat)

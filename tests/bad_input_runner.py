@@ -226,7 +226,7 @@ FOUND_AND_FIXED = """\
 ## Found by the probes and fixed
 
 Each was a failing probe first; the fixes have their own tests in
-`tests/test_input_checks.py`.
+`tests/test_argument_checks.py`.
 
 - `ga_average_string`, `dec_hierarchical_string`: `GradientAllReduceAlgorithm(average="false")`
   and `DecentralizedAlgorithm(hierarchical="false")` were read with `bool()`, so the

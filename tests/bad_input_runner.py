@@ -207,11 +207,12 @@ behaviour that is deliberately not an error; their observation must contain the
 expected text. The probes live in `tests/bad_input_cases.py`;
 `tests/test_bad_input_answers.py` checks each of them as a test of its own.
 
-Probes that need a process group run on both ranks of one pool of 2 gloo workers, spawned
-once and given the probes one after another (the row shows rank 0's outcome and the
-slower rank's time; a probe fails if either rank's outcome is wrong); the others run in the calling process, each in a thread
-watched for hangs. Times are taken after one untimed warm-up training step (the first
-optimizer step sets up parts of torch).
+Probes that need a process group run on both ranks of one pool of 2 gloo workers,
+spawned once and given the probes one after another (the row shows rank 0's outcome
+and the slower rank's time; a probe fails if either rank's outcome is wrong); the
+others run in the calling process, each in a thread watched for hangs. Times are taken
+after one untimed warm-up training step (the first optimizer step sets up parts of
+torch).
 
 **NaN and inf gradients** (`nan_grad_*`, `inf_grad_*`) are not refused: as under torch
 DDP they propagate silently. NaN in one rank's gradients reaches every rank: through

@@ -6,6 +6,11 @@ worker then on GPU LOCAL_RANK) with a short timeout, call
 ``fn(rank, world_size, *args)`` and send back its return value. A worker's exception
 fails the caller with that worker's traceback; a worker that does not finish within
 ``timeout`` seconds is killed and fails the caller too, so nothing hangs.
+
+``WorkerPool(world_size)`` spawns the workers once and keeps them, in one process
+group, for many calls: ``pool.run(fn, *args)`` returns what ``run_workers`` would,
+without paying a spawn (seconds) per call. Tests share one through a module- or
+session-scoped fixture.
 """
 
 from __future__ import annotations
@@ -23,19 +28,25 @@ from datetime import timedelta
 DEFAULT_TIMEOUT = 120.0
 
 
-def _worker(rank, world_size, store_path, fn, args, results, pg_timeout, env, backend):
+def _join_group(rank, world_size, store_path, pg_timeout, env, backend):
+    """In a worker: its launcher variables, one thread, the process group joined; the comm module."""
     os.environ.update(env)
     local_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % local_size), "LOCAL_WORLD_SIZE": str(local_size)})
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    from bagua_algos.runtime import comm
+
+    store = dist.FileStore(store_path, world_size)
+    comm.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+    return comm
+
+
+def _worker(rank, world_size, store_path, fn, args, results, pg_timeout, env, backend):
     try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        from bagua_algos.runtime import comm
-
-        store = dist.FileStore(store_path, world_size)
-        comm.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+        comm = _join_group(rank, world_size, store_path, pg_timeout, env, backend)
         try:
             value = fn(rank, world_size, *args)
         finally:
@@ -101,3 +112,119 @@ def run_workers(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, pg
     if failures:
         raise AssertionError("distributed test failed:\n" + "\n".join(failures))
     return [pickle.loads(outcome[r][1]) for r in range(world_size)]
+
+
+def _pool_worker(rank, world_size, store_path, tasks, results, pg_timeout, env, backend):
+    """A pool worker: join the group, then run each task ``(call, fn, args)`` from
+    ``tasks`` until ``None`` comes; every result goes back tagged with its call number
+    (0: the worker could not start)."""
+    try:
+        comm = _join_group(rank, world_size, store_path, pg_timeout, env, backend)
+    except BaseException:  # noqa: BLE001
+        results.put((rank, 0, "error", traceback.format_exc()))
+        return
+    try:
+        while True:
+            task = tasks.get()
+            if task is None:
+                break
+            call, fn, args = task
+            try:
+                results.put((rank, call, "ok", pickle.dumps(fn(rank, world_size, *args))))
+            except BaseException:  # noqa: BLE001 - every failure goes back to the caller
+                results.put((rank, call, "error", traceback.format_exc()))
+    finally:
+        comm.destroy_process_group()
+
+
+class WorkerPool:
+    """``world_size`` spawned workers in one process group (as ``run_workers`` makes
+    them) that stay up between calls: ``run(fn, *args)`` is ``[fn(0, n, *args), ...,
+    fn(n-1, n, *args)]``, the calls one after another in the same group.
+
+    A worker's exception fails that call (with its traceback) and leaves the pool
+    usable once every rank has answered; a call whose workers do not all answer within
+    its ``timeout`` (or a worker that dies) fails and shuts the pool down, so every later
+    call fails at once instead of waiting. ``close()`` (or leaving a ``with`` block)
+    stops the workers."""
+
+    def __init__(self, world_size: int, *, pg_timeout: float = 30.0, env: dict | None = None, backend: str = "gloo"):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.broken = ""  # why the pool can no longer be used
+        self._calls = 0
+        self._tmp = tempfile.TemporaryDirectory()
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        store_path = os.path.join(self._tmp.name, "store")
+        self._procs = [
+            ctx.Process(target=_pool_worker, args=(r, world_size, store_path, self._tasks[r], self._results, pg_timeout,
+                                                   dict(env or {}), backend), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def run(self, fn, *args, timeout: float = DEFAULT_TIMEOUT):
+        """Every worker's ``fn(rank, world_size, *args)``; the first call also waits for
+        the workers to start, within the same ``timeout``."""
+        if self.broken:
+            raise AssertionError(f"the worker pool was shut down: {self.broken}")
+        self._calls += 1
+        call = self._calls
+        for tasks in self._tasks:
+            tasks.put((call, fn, args))
+        outcome: dict[int, tuple[str, object]] = {}
+        failures = []
+        deadline = time.monotonic() + timeout
+        while len(outcome) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(self.world_size)) - set(outcome))
+                self._shut_down(f"workers {missing} did not answer call {call} within {timeout:.0f} s")
+                break
+            try:
+                rank, got_call, status, value = self._results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if r not in outcome and p.exitcode is not None]
+                if dead:
+                    self._shut_down(f"worker(s) {dead} exited with code(s) {[self._procs[r].exitcode for r in dead]}")
+                    break
+                continue
+            if got_call == 0:
+                self._shut_down(f"worker {rank} could not start:\n{value}")
+                break
+            if got_call != call:  # cannot happen: a call that did not finish shuts the pool down
+                self._shut_down(f"worker {rank} answered call {got_call} during call {call}")
+                break
+            outcome[rank] = (status, value)
+            if status == "error":
+                failures.append(f"--- worker {rank} failed:\n{value}")
+        if self.broken:
+            failures.append(self.broken)
+        if failures:
+            raise AssertionError("distributed call failed:\n" + "\n".join(failures))
+        return [pickle.loads(outcome[r][1]) for r in range(self.world_size)]
+
+    def _shut_down(self, why: str):
+        self.broken = why
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        self._tmp.cleanup()
+
+    def close(self):
+        if self.broken:
+            return
+        for tasks in self._tasks:
+            tasks.put(None)
+        for p in self._procs:
+            p.join(timeout=10.0)
+        self._shut_down("closed")

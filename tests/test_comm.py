@@ -248,6 +248,10 @@ def _collectives_worker(rank, n):
     return out
 
 
+# Cases that rank 0 skips: it is not a member of sub, where these calls return at once.
+NOT_A_MEMBER_OF_SUB = ("src_not_in_group", "dst_local_out_of_range", "comm_and_group")
+
+
 def _bad_input(rank, sub) -> dict:
     f, i64 = torch.zeros(8), torch.zeros(8, dtype=torch.int64)
     cases = {
@@ -287,7 +291,7 @@ def _bad_input(rank, sub) -> dict:
     }
     errors = {}
     for key, call in cases.items():
-        if key in ("src_not_in_group", "dst_local_out_of_range", "comm_and_group") and rank == 0:
+        if key in NOT_A_MEMBER_OF_SUB and rank == 0:
             continue  # rank 0 is not a member of sub: these return at once there
         try:
             call()
@@ -476,7 +480,9 @@ def test_ranks_sizes_and_groups(four_workers):
     assert four_workers[0]["non_member"] == (None, "CommHandle", None)
 
 
-def test_bad_input_is_a_clear_value_error(four_workers):
+def _bad_input_answers() -> dict:
+    """Text that each of _bad_input's calls must raise (a ValueError, or the TypeError
+    named); each case is a test of its own, all on the one spawn of four_workers."""
     expect = {
         "allreduce_shape": "recv_tensor shape (4,) differs from send_tensor shape (3,)",
         "allreduce_dtype": "recv_tensor has dtype torch.int64 but send_tensor has dtype torch.float32",
@@ -513,15 +519,29 @@ def test_bad_input_is_a_clear_value_error(four_workers):
         "new_group_dup": "duplicate ranks",
         "hierarchical_op": "supports ReduceOp.SUM and ReduceOp.AVG, got ReduceOp.MAX",
     }
+    return expect
+
+
+BAD_INPUT_ANSWERS = _bad_input_answers()
+
+
+def test_every_bad_input_case_has_an_expected_answer(four_workers):
+    for rank, result in enumerate(four_workers):
+        skipped = set(NOT_A_MEMBER_OF_SUB) if rank == 0 else set()
+        assert set(result["errors"]) == set(BAD_INPUT_ANSWERS) - skipped, rank
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT_ANSWERS))
+def test_bad_input_is_a_clear_value_error(four_workers, case):
+    text = BAD_INPUT_ANSWERS[case]
     for rank, result in enumerate(four_workers):
         errors = result["errors"]
-        for key, text in expect.items():
-            if key not in errors:
-                assert rank == 0 and key in ("src_not_in_group", "dst_local_out_of_range", "comm_and_group")
-                continue
-            assert errors[key] is not None, f"{key} was accepted on rank {rank}"
-            assert text in errors[key], f"{key} on rank {rank}: {errors[key]}"
-            assert errors[key].startswith("TypeError" if text.startswith("TypeError") else "ValueError"), errors[key]
+        if case not in errors:
+            assert rank == 0 and case in NOT_A_MEMBER_OF_SUB
+            continue
+        assert errors[case] is not None, f"{case} was accepted on rank {rank}"
+        assert text in errors[case], f"{case} on rank {rank}: {errors[case]}"
+        assert errors[case].startswith("TypeError" if text.startswith("TypeError") else "ValueError"), errors[case]
 
 
 def test_hierarchical_allreduce_is_asynchronous_and_right(four_workers):

@@ -284,32 +284,51 @@ def _averaging_checks(rank, n):
     return out
 
 
-def test_averaging_algorithms_mix_as_specified():
-    n = 4
-    results = run_workers(_averaging_checks, n, env={"LOCAL_WORLD_SIZE": "2"})
-    starts = [torch.arange(DIM, dtype=torch.float32) * (r + 1) for r in range(n)]
+@pytest.fixture(scope="module")
+def averaging_results():
+    return run_workers(_averaging_checks, 4, env={"LOCAL_WORLD_SIZE": "2"})
+
+
+def _start(rank: int) -> torch.Tensor:
+    return torch.arange(DIM, dtype=torch.float32) * (rank + 1)
+
+
+def _expected_models(key: str, rank: int, n: int) -> list:
+    """Worker ``rank``'s model after each of the first steps of _averaging_checks'
+    configuration ``key`` (no learning: only the mixing moves the models)."""
+    starts = [_start(r) for r in range(n)]
     mean = torch.stack(starts).mean(0)
-    ring = get_topology("ring", n).gossip_matrix()
-    for rank, out in enumerate(results):
-        for key in ("allreduce_average", "all", "hierarchical_all", "hierarchical_shift_one"):
-            torch.testing.assert_close(out[key][0], mean, msg=key)
-        # shift_one: step 0 pairs 0↔2, 1↔3; step 1 pairs 0↔3, 1↔2.
-        peer = shift_one_peer(rank, n, 0)
-        torch.testing.assert_close(out["shift_one"][0], (starts[rank] + starts[peer]) / 2)
-        expected_ring = sum(ring[rank][j] * starts[j] for j in range(n))
-        torch.testing.assert_close(out["ring"][0], expected_ring)
-        grad = starts[rank] - target(rank)
-        torch.testing.assert_close(out["dpsgd_step"], expected_ring - 0.1 * grad)
-        for key in ("interval", "interval_dpsgd"):
-            # step 1 averages; step 2 does not (the +rank stays); step 3 averages again.
-            torch.testing.assert_close(out[key][0], mean, msg=key)
-            torch.testing.assert_close(out[key][1], mean + rank, msg=key)
-            torch.testing.assert_close(out[key][2], mean + (n - 1), msg=key)
-        assert out["resume"]
-    second = [out["shift_one"][1] for out in results]
-    first = [out["shift_one"][0] for out in results]
-    torch.testing.assert_close(second[0], (first[0] + first[3]) / 2)
-    torch.testing.assert_close(second[1], (first[1] + first[2]) / 2)
+    if key == "shift_one":
+        # step 0 pairs 0↔2, 1↔3; step 1 pairs 0↔3, 1↔2.
+        first = [(starts[r] + starts[shift_one_peer(r, n, 0)]) / 2 for r in range(n)]
+        return [first[rank], (first[rank] + first[shift_one_peer(rank, n, 1)]) / 2]
+    if key == "ring":
+        ring = get_topology("ring", n).gossip_matrix()
+        return [sum(ring[rank][j] * starts[j] for j in range(n))]
+    if key in ("interval", "interval_dpsgd"):
+        # step 1 averages; step 2 does not (the +rank stays); step 3 averages again.
+        return [mean, mean + rank, mean + (n - 1)]
+    return [mean]  # an exact average of all the models at once
+
+
+@pytest.mark.parametrize("key", ["allreduce_average", "all", "shift_one", "ring", "hierarchical_all",
+                                 "hierarchical_shift_one", "interval", "interval_dpsgd"])
+def test_averaging_algorithms_mix_as_specified(averaging_results, key):
+    n = len(averaging_results)
+    for rank, out in enumerate(averaging_results):
+        for step, want in enumerate(_expected_models(key, rank, n)):
+            torch.testing.assert_close(out[key][step], want, msg=lambda m: f"{key}, rank {rank}, step {step}: {m}")
+
+
+def test_dpsgd_applies_the_gradient_at_the_old_weights_to_the_mixed_ones(averaging_results):
+    n = len(averaging_results)
+    for rank, out in enumerate(averaging_results):
+        mixed = _expected_models("ring", rank, n)[0]
+        torch.testing.assert_close(out["dpsgd_step"], mixed - 0.1 * (_start(rank) - target(rank)))
+
+
+def test_shift_one_resumes_with_the_same_peer_schedule(averaging_results):
+    assert all(out["resume"] for out in averaging_results)
 
 
 def test_shift_one_pairing_follows_bagua_formula():

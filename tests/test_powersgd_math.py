@@ -252,7 +252,7 @@ def test_plan_groups_matrices_by_shape():
     assert math.isclose(512 * 4608 / (5120 * 1), 460.8)
 
 
-# --- constructor checks beyond the probes (benchmarks/probe_bad_input.py has the main ones) ------
+# --- constructor checks beyond the probes (tests/bad_input_cases.py has the main ones) ------
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"rank": -2}, ValueError, "rank must be an int >= 1, got -2"),
     ({"error_decay": -0.1}, ValueError, "error_decay must be a finite number in [0.0, 1.0], got -0.1"),

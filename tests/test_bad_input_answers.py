@@ -1,25 +1,20 @@
-"""Every bad-input probe of benchmarks/probe_bad_input.py meets its expectation.
+"""Bad input gets the answer documented for it: every probe of bad_input_cases (the
+exception, a message naming the argument, in time; or, for behaviour that is not an
+error, the documented observation) is a test of its own, named after the probe.
 
-Probes that need no process group run here, one test each; the others run in one
-spawned pair of gloo workers shared by the module (one test each, too). A probe that
-carries a ``known_issue`` documents a real problem not fixed yet: it is expected to
-fail (strictly, so that the note goes once the problem is fixed).
+Probes that need no process group run here. The others share one pool of gloo
+workers for the module (a spawn costs seconds): each test gives its probe to the pool
+and judges what every rank saw. A probe that carries a ``known_issue`` documents a real
+problem not fixed yet: it is expected to fail (strictly, so that the note goes once the
+problem is fixed).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.probe_bad_input import (
-    PROBES,
-    TIME_LIMIT_S,
-    Outcome,
-    Probe,
-    judge,
-    page,
-    run_distributed,
-    run_probe,
-)
+from bad_input_cases import PROBES, Probe
+from bad_input_runner import TIME_LIMIT_S, Outcome, judge, page, run_distributed, run_probe, start_pool
 
 SINGLE = [p for p in PROBES if not p.distributed]
 DISTRIBUTED = [p for p in PROBES if p.distributed]
@@ -65,19 +60,20 @@ def test_single_process_probe(probe):
 
 
 @pytest.fixture(scope="module")
-def distributed_outcomes():
-    return {o.id: o for o in run_distributed(DISTRIBUTED)}
+def gloo_pool():
+    with start_pool() as pool:
+        yield pool
 
 
 @pytest.mark.parametrize("probe", _params(DISTRIBUTED))
-def test_distributed_probe(probe, distributed_outcomes):
-    outcome = distributed_outcomes[probe.id]
+def test_distributed_probe(probe, gloo_pool):
+    outcome = run_distributed(probe, gloo_pool)
     assert outcome.passed, _explain(probe, outcome)
 
 
 def test_page_names_the_command_and_the_machine():
     outcomes = [Outcome(p.id, None, "no error", "no error", 0.0, True) for p in PROBES]
-    text = page(PROBES, outcomes, "python benchmarks/probe_bad_input.py --out docs/probes.md")
-    assert "`python benchmarks/probe_bad_input.py --out docs/probes.md`" in text
+    text = page(PROBES, outcomes, "python tests/bad_input_runner.py --out docs/probes.md")
+    assert "`python tests/bad_input_runner.py --out docs/probes.md`" in text
     assert "torch " in text and "CPU cores" in text
     assert text.count("\n| ") == len(PROBES) + 1  # header row and one row per probe

@@ -1,4 +1,4 @@
-"""Bad-input probes: what a user can get wrong, and what bagua_algos answers.
+"""The bad-input probes as data: what a user can get wrong, and what bagua_algos answers.
 
 Each probe is one thing a user might do wrong (a misspelt name, an argument of the
 wrong type or range, a model that differs across ranks, NaN gradients, ...), the
@@ -7,46 +7,29 @@ name, or what would be valid). A probe whose ``expected`` is ``None`` documents
 behaviour that is not an error (e.g. NaN gradients propagate, as under torch DDP):
 its ``match`` must then appear in what the probe observed.
 
-Probes that need no process group run in this process, each in a thread with a time
-limit; the others run in two gloo workers (one spawn for all of them, via
-``tests/gloo_workers.run_workers``), each probe on both ranks. Every probe records the
-exception type and the first line of its message (or "no error" and what it
-observed) and its time: a probe passes when the outcome matches and it finished
-within ``TIME_LIMIT_S``.
-
-    python benchmarks/probe_bad_input.py                      # prints the table
-    python benchmarks/probe_bad_input.py --out docs/probes.md # writes the page too
+A probe's ``fn`` takes no argument when it needs no process group; a ``distributed``
+probe's takes ``(rank, world_size)`` and runs on every rank of ``WORLD_SIZE`` gloo
+workers. A probe written as a function is named after its id. Running and judging
+them is ``bad_input_runner``'s job; ``test_bad_input_answers.py`` makes each probe a
+test of its own.
 
 A probe that shows a real problem keeps the expectation it should meet and carries a
-``known_issue`` note: it fails in the table until the problem is fixed.
+``known_issue`` note: it fails (an expected failure in the tests) until the problem
+is fixed.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import datetime
 import io
-import os
-import platform
-import sys
 import tempfile
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-_REPO = Path(__file__).resolve().parent.parent
-for _path in (_REPO / "tests", _REPO):  # the repository ends up first
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+import torch
 
-import torch  # noqa: E402
-
-TIME_LIMIT_S = 5.0  # a probe that takes longer fails: nothing may hang
-HANG_GUARD_S = 20.0  # an in-process probe still running after this is reported as a hang
-WORLD_SIZE = 2
+WORLD_SIZE = 2  # gloo workers of the distributed probes
 
 
 @dataclass(frozen=True)
@@ -60,22 +43,12 @@ class Probe:
     known_issue: str = ""  # set while the probe shows a real problem
 
 
-@dataclass
-class Outcome:
-    id: str
-    raised: Optional[str]  # exception type name, None if it returned
-    message: str  # first line of the message, or what the probe observed
-    full_message: str
-    seconds: float
-    passed: bool
-    why: str = ""  # why it failed
-
-
 PROBES: list[Probe] = []
 
 
 def add(id, action, expected, match, fn=None, *, distributed=False, known_issue=""):
-    """Register a probe; usable as ``add(..., fn)`` or as a decorator ``@add(...)``."""
+    """Register a probe; usable as ``add(..., fn)`` or as a decorator ``@add(...)`` on a
+    function named after the probe's id."""
 
     def register(f):
         if any(p.id == id for p in PROBES):
@@ -83,7 +56,12 @@ def add(id, action, expected, match, fn=None, *, distributed=False, known_issue=
         PROBES.append(Probe(id, action, expected, match, f, distributed, known_issue))
         return f
 
-    return register(fn) if fn is not None else register
+    def decorate(f):
+        if f.__name__ != id:
+            raise ValueError(f"the function of probe {id!r} is named {f.__name__!r}: name it after the probe")
+        return register(f)
+
+    return register(fn) if fn is not None else decorate
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -157,7 +135,6 @@ from bagua_algos.algorithms import (  # noqa: E402
     GradientAllReduceAlgorithm,
     RelayAlgorithm,
 )
-from bagua_algos.runtime.algorithm import Algorithm  # noqa: E402
 
 add("ga_average_string", 'GradientAllReduceAlgorithm(average="false") (a flag read from a config file)',
     TypeError, "average must be True or False", lambda: GradientAllReduceAlgorithm(average="false"))
@@ -195,7 +172,7 @@ add("async_warmup_string", 'AsyncModelAverageAlgorithm(warmup_steps="x")',
 
 @add("tensor_rename", 'ensure_bagua_tensor("a", "m") then ensure_bagua_tensor("b", "m") on the same tensor',
      ValueError, "cannot be renamed 'b'")
-def _():
+def tensor_rename():
     t = _tensor("a", "m")
     t.ensure_bagua_tensor("b", "m")
 
@@ -280,7 +257,7 @@ add("with_bagua_before_init", "model.with_bagua([opt], GradientAllReduceAlgorith
 
 @add("checkpoint_bad_tracker", "load_checkpoint(dir) where latest_checkpointed_iteration.txt holds 'last'",
      ValueError, "must hold an iteration number, got 'last'")
-def _():
+def checkpoint_bad_tracker():
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, checkpoint.TRACKER).write_text("last")
         checkpoint.load_checkpoint(tmp, _model())
@@ -295,63 +272,63 @@ def dist_probe(id, action, expected, match, known_issue=""):
 
 @dist_probe("wrap_optimizers_none", "model.with_bagua(None, GradientAllReduceAlgorithm())",
             TypeError, "optimizers must be a list of torch.optim.Optimizer, got NoneType")
-def _(rank, n):
+def wrap_optimizers_none(rank, n):
     _model().with_bagua(None, GradientAllReduceAlgorithm())
 
 
 @dist_probe("wrap_foreign_optimizer", "model.with_bagua([optimizer of another model], ...)",
             ValueError, "is not a parameter of the module given to with_bagua")
-def _(rank, n):
+def wrap_foreign_optimizer(rank, n):
     _model().with_bagua([_sgd(_model())], GradientAllReduceAlgorithm())
 
 
 @dist_probe("wrap_unknown_algorithm_name", 'model.with_bagua([opt], "signsgd")',
             ValueError, "unknown algorithm 'signsgd'; available algorithms:")
-def _(rank, n):
+def wrap_unknown_algorithm_name(rank, n):
     model = _model()
     model.with_bagua([_sgd(model)], "signsgd")
 
 
 @dist_probe("wrap_do_flatten_string", 'model.with_bagua([opt], algorithm, do_flatten="false")',
             TypeError, "do_flatten must be True or False, got 'false'")
-def _(rank, n):
+def wrap_do_flatten_string(rank, n):
     _wrap(GradientAllReduceAlgorithm(), do_flatten="false")
 
 
 @dist_probe("wrap_bucket_size_zero", "model.with_bagua([opt], algorithm, bucket_size=0)",
             ValueError, "bucket_size must be a positive number of bytes, got 0")
-def _(rank, n):
+def wrap_bucket_size_zero(rank, n):
     _wrap(GradientAllReduceAlgorithm(), bucket_size=0)
 
 
 @dist_probe("wrap_broadcast_buffers", 'model.with_bagua([opt], algorithm, broadcast_buffers="always")',
             ValueError, "broadcast_buffers must be one of [False, True, 'first_step'], got 'always'")
-def _(rank, n):
+def wrap_broadcast_buffers(rank, n):
     _wrap(GradientAllReduceAlgorithm(), broadcast_buffers="always")
 
 
 @dist_probe("wrap_group_without_me", "each rank passes process_group=new_group([other rank]), a group it is not in",
             ValueError, "process_group does not contain this process")
-def _(rank, n):
+def wrap_group_without_me(rank, n):
     groups = [bagua_algos.new_group([r]) for r in range(n)]
     _wrap(GradientAllReduceAlgorithm(), process_group=groups[(rank + 1) % n])
 
 
 @dist_probe("wrap_group_not_a_group", 'model.with_bagua([opt], algorithm, process_group="world")',
             TypeError, "group must be")
-def _(rank, n):
+def wrap_group_not_a_group(rank, n):
     _wrap(GradientAllReduceAlgorithm(), process_group="world")
 
 
 @dist_probe("wrap_shapes_differ", "rank 1 builds Linear(3, 5) as last layer, rank 0 Linear(3, 2)",
             ValueError, "the module differs across ranks")
-def _(rank, n):
+def wrap_shapes_differ(rank, n):
     _wrap(GradientAllReduceAlgorithm(), model=_model(out=2 + 3 * rank))
 
 
 @dist_probe("dtype_change_after_wrap", "model.double() after with_bagua, then a training step",
             RuntimeError, "is now torch.float64 on cpu but was torch.float32")
-def _(rank, n):
+def dtype_change_after_wrap(rank, n):
     model, opt = _wrap(GradientAllReduceAlgorithm())
     model.double()
     _step(model, opt, rank)
@@ -359,7 +336,7 @@ def _(rank, n):
 
 @dist_probe("bfloat16_model", "model.bfloat16() before with_bagua, gradient_allreduce, one step",
             None, "all 23 parameter values finite")
-def _(rank, n):
+def bfloat16_model(rank, n):
     model, opt = _wrap(GradientAllReduceAlgorithm(), model=_model().bfloat16())
     _step(model, opt, rank)
     return _finite_report(model, rank)
@@ -367,7 +344,7 @@ def _(rank, n):
 
 @dist_probe("dec_mixed_dtypes", "a model with float32 and float64 layers under DecentralizedAlgorithm()",
             ValueError, "must share dtype and device")
-def _(rank, n):
+def dec_mixed_dtypes(rank, n):
     model = _model()
     model[2].double()
     _wrap(DecentralizedAlgorithm(), model=model)
@@ -375,14 +352,14 @@ def _(rank, n):
 
 @dist_probe("dec_all_frozen", "every parameter requires_grad=False, with_bagua([], DecentralizedAlgorithm())",
             ValueError, "no parameter that requires grad")
-def _(rank, n):
+def dec_all_frozen(rank, n):
     model = _model().requires_grad_(False)
     model.with_bagua([], DecentralizedAlgorithm())
 
 
 @dist_probe("wrap_sparse_embedding", "Embedding(10, 3, sparse=True) under gradient_allreduce, one training step",
             NotImplementedError, "parameter 'weight' has a sparse gradient")
-def _(rank, n):
+def wrap_sparse_embedding(rank, n):
     model = torch.nn.Embedding(10, 3, sparse=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model.with_bagua([opt], GradientAllReduceAlgorithm())
@@ -393,7 +370,7 @@ def _(rank, n):
 
 @dist_probe("aa_without_optimizer", "model.with_bagua([], AllreduceAverageAlgorithm()) (no optimizer)",
             ValueError, "pass the module's optimizers to with_bagua")
-def _(rank, n):
+def aa_without_optimizer(rank, n):
     _model().with_bagua([], AllreduceAverageAlgorithm())
 
 
@@ -408,59 +385,59 @@ class NoEdges(Topology):
 
 @dist_probe("relay_not_a_tree", "RelayAlgorithm(topology=<own Topology with no edges>) on 2 workers",
             ValueError, "is not a tree; RelaySGD needs a tree")
-def _(rank, n):
+def relay_not_a_tree(rank, n):
     _wrap(RelayAlgorithm(topology=NoEdges(n)))
 
 
 @dist_probe("dec_disconnected_topology", "DecentralizedAlgorithm(hierarchical=False, topology=<own Topology with no edges>)",
             ValueError, "is not connected")
-def _(rank, n):
+def dec_disconnected_topology(rank, n):
     model, opt = _wrap(DecentralizedAlgorithm(hierarchical=False, topology=NoEdges(n)))
     _step(model, opt, rank)
 
 
 @dist_probe("relay_topology_size", "RelayAlgorithm(topology=ChainTopology(3)) on 2 workers",
             ValueError, "has 3 ranks but the process group has 2")
-def _(rank, n):
+def relay_topology_size(rank, n):
     _wrap(RelayAlgorithm(topology=ChainTopology(n + 1)))
 
 
 @dist_probe("dec_topology_size", "DecentralizedAlgorithm(hierarchical=False, topology=ChainTopology(3)) on 2 workers",
             ValueError, "has 3 ranks but the process group has 2")
-def _(rank, n):
+def dec_topology_size(rank, n):
     _wrap(DecentralizedAlgorithm(hierarchical=False, topology=ChainTopology(n + 1)))
 
 
 @dist_probe("dec_shift_one_one_node", 'DecentralizedAlgorithm(peer_selection_mode="shift_one") on one node '
             "(hierarchical by default: one node gossips with no one)",
             ValueError, "peer_selection_mode='shift_one' needs an even number of nodes, got 1")
-def _(rank, n):
+def dec_shift_one_one_node(rank, n):
     _wrap(DecentralizedAlgorithm(peer_selection_mode="shift_one"))
 
 
 @dist_probe("async_no_flatten", "model.with_bagua([opt], AsyncModelAverageAlgorithm(), do_flatten=False)",
             ValueError, "AsyncModelAverageAlgorithm needs do_flatten=True")
-def _(rank, n):
+def async_no_flatten(rank, n):
     _wrap(AsyncModelAverageAlgorithm(), do_flatten=False)
 
 
 @dist_probe("ga_hierarchical_subgroup", "GradientAllReduceAlgorithm(hierarchical=True) over a one-rank process_group",
             ValueError, "hierarchical=True reduces over all workers")
-def _(rank, n):
+def ga_hierarchical_subgroup(rank, n):
     groups = [bagua_algos.new_group([r]) for r in range(n)]
     _wrap(GradientAllReduceAlgorithm(hierarchical=True), process_group=groups[rank])
 
 
 @dist_probe("async_abort_not_module", 'model.bagua_algorithm.abort("model") (a string, not the module)',
             TypeError, "abort()/resume() take the module given to with_bagua")
-def _(rank, n):
+def async_abort_not_module(rank, n):
     model, _ = _wrap(AsyncModelAverageAlgorithm(sync_interval_ms=0))
     model.bagua_algorithm.abort("model")
 
 
 @dist_probe("load_state_other_algorithm", "load_bagua_state_dict(state saved under relay) into a gradient_allreduce model",
             ValueError, "checkpoint holds state of algorithm 'RelayAlgorithm', this module runs 'GradientAllReduceAlgorithm'")
-def _(rank, n):
+def load_state_other_algorithm(rank, n):
     relay, _ = _wrap(RelayAlgorithm(topology="chain"))
     model, _ = _wrap(GradientAllReduceAlgorithm())
     model.load_bagua_state_dict(relay.bagua_state_dict())
@@ -468,7 +445,7 @@ def _(rank, n):
 
 @dist_probe("broadcast_src_out_of_range", "bagua_algos.broadcast(tensor, src=2) with 2 workers",
             ValueError, "src")
-def _(rank, n):
+def broadcast_src_out_of_range(rank, n):
     bagua_algos.broadcast(torch.zeros(3), src=n)
 
 
@@ -557,7 +534,7 @@ add("op_low_precision_sizes", "bucket.append_low_precision_decentralized_synchro
 
 @dist_probe("nan_grad_terngrad", "every rank's gradient of the first weight set to NaN, one step under TernGradAlgorithm()",
             CommOpError, "has NaN/inf values")
-def _(rank, n):
+def nan_grad_terngrad(rank, n):
     model = _model()
     model[0].weight.register_hook(lambda g: torch.full_like(g, float("nan")))
     opt = _sgd(model)
@@ -618,7 +595,7 @@ for _id, _kwargs, _error, _match in (
 
 @dist_probe("powersgd_error_in_grad_zero_grad", "PowerSGDAlgorithm(error_in_grad=True), then optimizer.zero_grad() "
             "in the loop (it would erase the error kept in p.grad)", RuntimeError, "remove optimizer.zero_grad()")
-def _(rank, n):
+def powersgd_error_in_grad_zero_grad(rank, n):
     from bagua_algos.algorithms import PowerSGDAlgorithm
 
     model, opt = _wrap(PowerSGDAlgorithm(error_in_grad=True, min_compression_rate=1.0))
@@ -627,257 +604,7 @@ def _(rank, n):
 
 @dist_probe("nan_grad_powersgd", f"{_NAN_NOTE} under PowerSGDAlgorithm(rank=2)", None,
             "values non-finite (NaN) on rank")
-def _(rank, n):
+def nan_grad_powersgd(rank, n):
     from bagua_algos.algorithms import PowerSGDAlgorithm
 
     return _nan_probe(lambda: PowerSGDAlgorithm(rank=2, min_compression_rate=1.0), float("nan"))(rank, n)
-
-
-
-# ============================================================================ running
-
-
-def _first_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[0].strip() if lines else ""
-
-
-def judge(probe: Probe, exc: Optional[BaseException], value, seconds: float) -> Outcome:
-    """The outcome of ``probe`` given what it raised (or returned) and its time."""
-    if exc is None:
-        observation = "no error" if value is None else str(value)
-        raised, full = None, observation
-        if probe.expected is not None:
-            passed, why = False, f"expected {probe.expected.__name__}, nothing was raised"
-        elif probe.match not in observation:
-            passed, why = False, f"observation does not contain {probe.match!r}"
-        else:
-            passed, why = True, ""
-    else:
-        raised, full = type(exc).__name__, str(exc)
-        if probe.expected is None:
-            passed, why = False, "expected no error"
-        elif not isinstance(exc, probe.expected):
-            passed, why = False, f"expected {probe.expected.__name__}"
-        elif probe.match not in full:
-            passed, why = False, f"message does not contain {probe.match!r}"
-        else:
-            passed, why = True, ""
-    if passed and seconds > TIME_LIMIT_S:
-        passed, why = False, f"took {seconds:.1f} s (limit {TIME_LIMIT_S:.0f} s)"
-    return Outcome(probe.id, raised, _first_line(full), full, seconds, passed, why)
-
-
-def _call(fn, *args):
-    start = time.perf_counter()
-    try:
-        value = fn(*args)
-        exc = None
-    except (Exception, SystemExit) as caught:  # noqa: BLE001 - recording is the point
-        value, exc = None, caught
-    return exc, value, time.perf_counter() - start
-
-
-_warmed_up = False
-
-
-def warm_up() -> None:
-    """One plain training step, untimed: the first optimizer step imports and sets up
-    parts of torch (seconds on a busy 2-core machine) that no probe should be charged for."""
-    global _warmed_up
-    if not _warmed_up:
-        model = _model()
-        _step(model, _sgd(model), 0)
-        _warmed_up = True
-
-
-def run_probe(probe: Probe) -> Outcome:
-    """Run a single-process probe in a thread; one still running after HANG_GUARD_S is a hang."""
-    if probe.distributed:
-        raise ValueError(f"probe {probe.id!r} needs the gloo workers: use run_distributed")
-    warm_up()
-    box = {}
-    thread = threading.Thread(target=lambda: box.update(result=_call(probe.fn)), daemon=True, name=f"probe-{probe.id}")
-    thread.start()
-    thread.join(HANG_GUARD_S)
-    if thread.is_alive():
-        return Outcome(probe.id, "HANG", f"no result after {HANG_GUARD_S:.0f} s", "", HANG_GUARD_S, False, "hangs")
-    return judge(probe, *box["result"])
-
-
-def _distributed_worker(rank, world_size, ids):
-    """In each gloo worker: run and judge the distributed probes ``ids`` in order."""
-    torch.set_num_threads(1)
-    warm_up()
-    by_id = {p.id: p for p in PROBES}
-    return [vars(judge(by_id[i], *_call(by_id[i].fn, rank, world_size))) for i in ids]
-
-
-def run_distributed(probes=None, world_size: int = WORLD_SIZE, timeout: float = 180.0) -> list[Outcome]:
-    """Run the distributed probes in ``world_size`` gloo workers (one spawn); one Outcome
-    per probe, failed unless every rank's outcome passed."""
-    from gloo_workers import run_workers
-
-    probes = [p for p in (PROBES if probes is None else probes) if p.distributed]
-    if not probes:
-        return []
-    per_rank = run_workers(_distributed_worker, world_size, [p.id for p in probes], timeout=timeout, pg_timeout=15.0)
-    outcomes = []
-    for index, probe in enumerate(probes):
-        judged = []
-        for rank_results in per_rank:
-            judged.append(Outcome(**rank_results[index]))
-            assert judged[-1].id == probe.id
-        first = judged[0]
-        first.seconds = max(o.seconds for o in judged)
-        for rank, other in enumerate(judged[1:], start=1):
-            if not other.passed and first.passed:
-                first.passed, first.why = False, f"rank {rank}: {other.why} ({other.raised or 'no error'}: {other.message})"
-        outcomes.append(first)
-    return outcomes
-
-
-def run_all(probes=None) -> list[Outcome]:
-    probes = PROBES if probes is None else probes
-    local = {p.id: run_probe(p) for p in probes if not p.distributed}
-    remote = {o.id: o for o in run_distributed(probes)}
-    return [local.get(p.id) or remote[p.id] for p in probes]
-
-
-# ============================================================================= output
-
-
-def _cell(text: str, limit: int = 150) -> str:
-    text = " ".join(str(text).split())
-    if len(text) > limit:
-        text = text[: limit - 1] + "…"
-    return text.replace("|", "\\|")
-
-
-def table(probes, outcomes) -> str:
-    rows = ["| # | probe | runs in | what the user did | expected | outcome | message (first line) / observation | s | result |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    for number, (probe, o) in enumerate(zip(probes, outcomes), start=1):
-        expected = probe.expected.__name__ if probe.expected else "no error"
-        outcome = o.raised or "no error"
-        result = "pass" if o.passed else f"**FAIL**: {o.why}"
-        rows.append(
-            f"| {number} | `{probe.id}` | {'2 gloo workers' if probe.distributed else 'this process'} | "
-            f"{_cell(probe.action, 110)} | {expected} | {outcome} | "
-            f"{_cell(o.message)} | {o.seconds:.3f} | {_cell(result, 160)} |"
-        )
-    return "\n".join(rows)
-
-
-def summary(probes, outcomes) -> str:
-    failed = [(p, o) for p, o in zip(probes, outcomes) if not o.passed]
-    lines = [f"{len(probes)} probes ({sum(not p.distributed for p in probes)} in one process, "
-             f"{sum(p.distributed for p in probes)} in {WORLD_SIZE} gloo workers): "
-             f"{len(probes) - len(failed)} pass, {len(failed)} fail; slowest probe "
-             f"{max(o.seconds for o in outcomes):.2f} s (limit {TIME_LIMIT_S:.0f} s)."]
-    for p, o in failed:
-        note = f" Known issue: {p.known_issue}." if p.known_issue else ""
-        lines.append(f"- `{p.id}` ({p.action}): {o.why}.{note} "
-                     f"Reproduce: `python benchmarks/probe_bad_input.py -k {p.id}`.")
-    return "\n".join(lines)
-
-
-PAGE_INTRO = """\
-Every row is one thing a user can get wrong and what bagua_algos answers. The standard:
-bad input is refused at once with an error that names the argument and what would be
-valid; the module is left as it was; nothing hangs (every probe must finish within
-{limit:.0f} s). A probe passes when the exception type matches (a subclass counts) and
-its message contains the expected text. Rows whose expectation is "no error" document
-behaviour that is deliberately not an error; their observation must contain the
-expected text. The probes live in `benchmarks/probe_bad_input.py` and
-`tests/test_probes.py` checks them.
-
-Probes that need a process group run on both ranks of one spawned job of 2 gloo workers
-(the row shows rank 0's outcome and the slower rank's time; a probe fails if either
-rank's outcome is wrong); the others run in the calling process, each in a thread
-watched for hangs. Times are taken after one untimed warm-up training step (the first
-optimizer step sets up parts of torch).
-
-**NaN and inf gradients** (`nan_grad_*`, `inf_grad_*`) are not refused: as under torch
-DDP they propagate silently. NaN in one rank's gradients reaches every rank: through
-the gradient allreduce at once, through model averaging (allreduce_average,
-decentralized, relay, async) at the next averaging. Nothing checks for them (a check
-would cost a synchronisation per step); guard the loss yourself
-(`torch.isfinite(loss)`, gradient clipping, `torch.amp.GradScaler`).
-"""
-
-
-FOUND_AND_FIXED = """\
-## Found by the probes and fixed
-
-Each was a failing probe first; the fixes have their own tests in
-`tests/test_input_checks.py`.
-
-- `ga_average_string`, `dec_hierarchical_string`: `GradientAllReduceAlgorithm(average="false")`
-  and `DecentralizedAlgorithm(hierarchical="false")` were read with `bool()`, so the
-  string "false" silently meant True. The flags must now be True or False (TypeError).
-- `relay_seed_string`: `RelayAlgorithm(seed="x")` failed with Python's
-  `invalid literal for int()`, not naming `seed`; `seed=1.7` was truncated to 1. Now
-  `seed must be an int`.
-- `dec_disconnected_topology`: a user's own `Topology` with several components was
-  accepted by `DecentralizedAlgorithm`; the components never exchange models, so the
-  models are never averaged (a silent wrong result). Now refused: `is not connected`.
-- `dec_all_frozen`: a module whose parameters all have `requires_grad=False` was refused
-  by `DecentralizedAlgorithm` (and `AsyncModelAverageAlgorithm`) with the internal
-  `bucket '0' needs at least one Bagua tensor`. The message now names the cause.
-- `wrap_sparse_embedding`: `nn.Embedding(..., sparse=True)` under gradient_allreduce
-  crashed inside torch at the first backward after `zero_grad()`
-  (`Cannot access data pointer of Tensor that doesn't have storage`, in
-  `BaguaBucket._before_ops`). The gradient hook now refuses a sparse gradient by the
-  parameter's name (NotImplementedError; model-averaging algorithms, which do not
-  communicate gradients, still accept it).
-"""
-
-
-def page(probes, outcomes, command: str, seconds: Optional[float] = None) -> str:
-    cuda = "a GPU" if torch.cuda.is_available() else "no GPU"
-    header = [
-        "# Bad-input probes",
-        "",
-        f"Generated by `{command}` on {datetime.date.today().isoformat()}: "
-        f"{os.cpu_count()} CPU cores, {cuda}, torch {torch.__version__.split('+')[0]}, "
-        f"Python {platform.python_version()}, {platform.system()}.",
-        "",
-        PAGE_INTRO.format(limit=TIME_LIMIT_S),
-        "## Summary",
-        "",
-        summary(probes, outcomes)
-        + (f"\n\nThe whole run (one spawn of 2 gloo workers included) took {seconds:.1f} s." if seconds else ""),
-        "",
-        FOUND_AND_FIXED,
-        "## Probes",
-        "",
-        table(probes, outcomes),
-        "",
-    ]
-    return "\n".join(header)
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Probe bagua_algos with bad input and tabulate the answers.")
-    parser.add_argument("--out", type=Path, help="also write the markdown page here (e.g. docs/probes.md)")
-    parser.add_argument("-k", dest="select", help="only probes whose id contains this text")
-    args = parser.parse_args(argv)
-    probes = [p for p in PROBES if not args.select or args.select in p.id]
-    start = time.perf_counter()
-    outcomes = run_all(probes)
-    elapsed = time.perf_counter() - start
-    print(table(probes, outcomes))
-    print()
-    print(summary(probes, outcomes))
-    print(f"all probes: {elapsed:.1f} s")
-    if args.out:
-        shown = " ".join(["python", "benchmarks/probe_bad_input.py", *(argv if argv is not None else sys.argv[1:])])
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(page(probes, outcomes, shown, elapsed))
-        print(f"wrote {args.out}")
-    return 0 if all(o.passed for o in outcomes) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

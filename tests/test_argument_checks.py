@@ -1,8 +1,9 @@
-"""Checks added after the bad-input probes (benchmarks/probe_bad_input.py) found gaps:
-string flags read as True, an unnamed seed error, a disconnected gossip topology
-accepted, a frozen module refused with an internal message, sparse gradients crashing
-inside torch. Each is checked here without a process group; the probes check them
-end to end in two gloo workers."""
+"""Arguments are checked where they are given, by name: boolean flags must be bools (a
+"false" string is not True), a seed must be an int, a gossip topology must be
+connected (and a topology means gossip between workers), a module without trainable
+parameters or with sparse gradients is refused naming the cause. Each check came from
+a gap the bad-input probes (tests/bad_input_cases.py) found; here each is checked
+without a process group, the probes check them end to end in two gloo workers."""
 
 from __future__ import annotations
 
@@ -110,3 +111,10 @@ def test_a_sparse_gradient_is_refused_by_name_before_it_reaches_a_bucket():
     with pytest.raises(NotImplementedError, match=r"parameter 'embedding.weight' has a sparse gradient .*sparse=False"):
         hook("embedding.weight", param)
     hook("other", param)  # not communicated by this algorithm: not its business
+
+
+def test_a_topology_means_gossip_between_workers():
+    assert DecentralizedAlgorithm(topology="ring").hierarchical is False
+    assert DecentralizedAlgorithm().hierarchical is True  # Bagua's default without a topology
+    with pytest.raises(ValueError, match="hierarchical=False with a topology"):
+        DecentralizedAlgorithm(topology="ring", hierarchical=True)

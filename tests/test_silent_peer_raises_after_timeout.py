@@ -1,0 +1,65 @@
+"""A peer that stops taking steps is an error on the others after the process group's
+timeout, never a hang: gradient allreduce (flat and hierarchical), decentralized
+(hierarchical and over a gossip topology) and relay, each on its own 4 gloo workers
+(two "nodes" of two) with a 3-second timeout."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from bagua_algos.algorithms import DecentralizedAlgorithm, GradientAllReduceAlgorithm, RelayAlgorithm
+from gloo_workers import run_workers
+
+
+def bn_model(seed: int = 0, hidden: int = 12) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(5, hidden), torch.nn.BatchNorm1d(hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 2)
+    )
+
+
+def train(model, opt, steps, rank, start=0):
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(8, 5, generator=g), torch.randint(0, 2, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+SILENT_CASES = {
+    "gradient_allreduce": lambda: GradientAllReduceAlgorithm(),
+    "gradient_allreduce_hierarchical": lambda: GradientAllReduceAlgorithm(hierarchical=True),
+    "decentralized_hierarchical": lambda: DecentralizedAlgorithm(hierarchical=True),
+    "decentralized_ring": lambda: DecentralizedAlgorithm(topology="ring"),
+    "relay": lambda: RelayAlgorithm(topology="chain"),
+}
+
+
+def _silent_peer(rank, n, case):
+    model = bn_model(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.with_bagua([opt], SILENT_CASES[case]())
+    train(model, opt, 1, rank)
+    if rank == n - 1:
+        time.sleep(15)  # silent: takes no further step
+        return None
+    start = time.monotonic()
+    try:
+        # Gossip reaches the silent peer's far neighbours one hop per step.
+        train(model, opt, 8, rank, start=1)
+    except Exception as exc:  # noqa: BLE001 - the point is that it raises
+        return time.monotonic() - start, f"{type(exc).__name__}: {exc}"[:300]
+    return time.monotonic() - start, "no error"
+
+
+@pytest.mark.parametrize("case", sorted(SILENT_CASES))
+def test_a_silent_peer_is_an_error_after_the_timeout(case):
+    results = run_workers(_silent_peer, 4, case, pg_timeout=3.0, timeout=120, env={"LOCAL_WORLD_SIZE": "2"})
+    for rank, result in enumerate(results[:-1]):
+        elapsed, message = result
+        assert message != "no error", (rank, case)
+        assert elapsed < 20.0, (rank, case, elapsed, message)

@@ -1,0 +1,115 @@
+"""The template algorithm (examples/ef_sign_sgd.py) is what docs/DESIGN.md says it is: an
+algorithm that trains on gloo workers exactly as its math says, whose state checkpoints
+with no code of its own, and an example that runs under the launcher."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gloo_workers import run_workers
+from subprocesses import REPO, free_port, run_python
+
+sys.path.insert(0, str(REPO / "examples"))
+import ef_sign_sgd  # noqa: E402
+
+N, STEPS, LR = 2, 4, 0.1
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=1, max_size=40))
+def test_scaled_sign_keeps_each_sign_and_the_l1_norm_of_a_zero_free_vector(values):
+    p = torch.tensor(values, dtype=torch.float32)
+    delta = ef_sign_sgd.scaled_sign(p)
+    assert torch.equal(torch.sign(delta), torch.sign(p))
+    if bool((p != 0).all()):
+        torch.testing.assert_close(delta.abs().sum(), p.abs().sum(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_flag_that_is_not_a_bool_is_refused_by_name():
+    with pytest.raises(TypeError, match="error_feedback"):
+        ef_sign_sgd.EFSignSGDAlgorithm(error_feedback="yes")
+
+
+def _data(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+
+
+def _train_worker(rank, n):
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    model = model.with_bagua([optimizer], ef_sign_sgd.EFSignSGDAlgorithm())
+    assert len(model.bagua_buckets) == 1, "the oracle below assumes one bucket"
+    x, y = _data(rank)
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    state = model.bagua_state_dict()
+    return [p.detach().clone() for p in model.parameters()], state
+
+
+def _oracle():
+    """n workers simulated in one process: the four numbered steps of the module's docstring."""
+    model = _model()
+    params = list(model.parameters())
+    errors = [torch.zeros(sum(p.numel() for p in params)) for _ in range(N)]
+    for _ in range(STEPS):
+        deltas = []
+        for rank in range(N):
+            x, y = _data(rank)
+            grads = torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), params)
+            p = torch.cat([g.reshape(-1) for g in grads]) + errors[rank]
+            delta = ef_sign_sgd.scaled_sign(p)
+            errors[rank] = p - delta
+            deltas.append(delta)
+        mean = torch.stack(deltas).mean(0)
+        with torch.no_grad():
+            offset = 0
+            for p in params:
+                p.sub_(LR * mean[offset: offset + p.numel()].view_as(p))
+                offset += p.numel()
+    return [p.detach() for p in params], errors
+
+
+def test_two_workers_train_as_the_single_process_oracle_and_checkpoint_the_error():
+    results = run_workers(_train_worker, N, timeout=90)
+    expected, errors = _oracle()
+    for rank, (params, state) in enumerate(results):
+        for got, want in zip(params, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        saved = [v for k, v in _flatten(state) if "ef_sign_error" in k]
+        assert len(saved) == 1, f"bagua_state_dict() should carry the error buffer: {[k for k, _ in _flatten(state)]}"
+        # The flattened bucket may order the parameters differently: compare as multisets.
+        torch.testing.assert_close(saved[0].sort().values, errors[rank].sort().values, rtol=1e-5, atol=1e-6)
+
+
+def _flatten(tree, prefix=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flatten(v, f"{prefix}/{k}")
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _flatten(v, f"{prefix}/{i}")
+    elif isinstance(tree, torch.Tensor):
+        yield prefix, tree
+
+
+def test_the_example_trains_under_the_launcher():
+    rc, out, err = run_python(["-m", "bagua_algos.launch", "--backend", "gloo", "--nproc_per_node", "2",
+                               "--master_port", str(free_port()), str(REPO / "examples" / "ef_sign_sgd.py"),
+                               "--steps", "60"], timeout=120)
+    assert rc == 0, err
+    losses = [float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if line.startswith("step ")]
+    assert len(losses) >= 3, out
+    assert losses[-1] < 0.6 * losses[0], out

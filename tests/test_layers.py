@@ -1,0 +1,65 @@
+"""The layer diagram of docs/DESIGN.md ("Layers") is the import graph: every import from
+one of the project's packages into another is an arrow the diagram draws."""
+
+from __future__ import annotations
+
+import ast
+
+from subprocesses import REPO
+
+PACKAGES = ("bagua_algos", "topologies", "samplers", "cuda_ext")
+
+# What each layer may import of the project (DESIGN.md's arrows). A layer is a
+# subpackage of bagua_algos or a module directly in it, or a top-level package.
+ALLOWED = {
+    "bagua_algos": {"bagua_algos.algorithms", "bagua_algos.runtime"},
+    "bagua_algos.lightning": {"bagua_algos.algorithms", "bagua_algos.runtime"},
+    "bagua_algos.compat": {"bagua_algos.algorithms", "bagua_algos.runtime"},
+    "bagua_algos.ddp_hooks": {"bagua_algos.algorithms", "bagua_algos.compression", "bagua_algos.runtime"},
+    "bagua_algos.launch": {"bagua_algos.runtime"},
+    "bagua_algos.algorithms": {"bagua_algos.runtime", "bagua_algos.compression", "bagua_algos.arguments"},
+    # runtime/launch.py puts the compatibility package on the workers' path.
+    "bagua_algos.runtime": {"bagua_algos.compression", "bagua_algos.arguments", "topologies", "bagua_algos.compat"},
+    "bagua_algos.compression": {"bagua_algos.arguments", "cuda_ext"},
+    "bagua_algos.arguments": set(),
+    "topologies": set(),
+    "samplers": set(),
+    "cuda_ext": set(),
+}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] == "bagua_algos" and len(parts) > 1 and parts[1] != "__init__":
+        return "bagua_algos." + parts[1]
+    return parts[0]
+
+
+def _imports(path, module: str):
+    """(line, imported module) for each import of ``path`` (module ``module``), relative ones resolved."""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module.split(".") if not node.level else (
+                package[: len(package) - node.level + 1] + (node.module.split(".") if node.module else []))
+            for alias in node.names:  # `from pkg import sub` may name a submodule
+                yield node.lineno, ".".join(base + [alias.name])
+
+
+def test_every_import_between_layers_is_an_arrow_of_the_diagram():
+    offenders = []
+    for root in PACKAGES:
+        for path in (REPO / root).rglob("*.py"):
+            module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+            here = _layer(module)
+            assert here in ALLOWED, f"{module}: a layer the diagram does not have ({here})"
+            for line, imported in _imports(path, module):
+                if imported.split(".")[0] not in PACKAGES:
+                    continue
+                there = _layer(imported)
+                if there != here and there not in ALLOWED[here]:
+                    offenders.append(f"{path.relative_to(REPO)}:{line} imports {imported} ({here} -> {there})")
+    assert not offenders, "\n".join(offenders)

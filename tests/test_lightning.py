@@ -162,6 +162,14 @@ def _lightning_bagua_calls(rank):
         allreduce_inplace(t, op=getattr(BaguaReduceOp, op))
         ops[op] = t.item()
     result["ops"] = ops
+    from bagua.torch_api.communication import allreduce_coalesced_inplace, broadcast_coalesced
+
+    pair = [torch.full((2, 2), float(rank + 1)), torch.full((3,), float(10 * (rank + 1)))]
+    allreduce_coalesced_inplace(pair, BaguaReduceOp.SUM)
+    result["coalesced_sum"] = [t.clone() for t in pair]
+    pair = [torch.full((2,), float(rank)), torch.full((1, 3), float(rank + 5))]
+    broadcast_coalesced(pair, src=1)
+    result["coalesced_broadcast"] = [t.clone() for t in pair]
     runs = {}
     for name, kwargs in (("gradient_allreduce", {}), ("decentralized", {}), ("low_precision_decentralized", {}),
                          ("bytegrad", {}), ("async", {"sync_interval_ms": 5}), ("qadam", None)):
@@ -269,6 +277,11 @@ def test_lightning_bagua_calls(lightning_runs):
     # rank values 2 and 3
     assert c0["ops"] == c1["ops"] == {"SUM": 5, "PRODUCT": 6, "MIN": 2, "MAX": 3, "BAND": 2, "BOR": 3, "BXOR": 1,
                                       "AVG": 2.5}
+    for c in (c0, c1):  # Bagua's coalesced forms: several tensors, one collective, results in place
+        assert torch.equal(c["coalesced_sum"][0], torch.full((2, 2), 3.0))
+        assert torch.equal(c["coalesced_sum"][1], torch.full((3,), 30.0))
+        assert torch.equal(c["coalesced_broadcast"][0], torch.full((2,), 1.0))
+        assert torch.equal(c["coalesced_broadcast"][1], torch.full((1, 3), 6.0))
     for name, run in c0["runs"].items():
         assert all(math.isfinite(v) for v in run["losses"]), name
         assert all(k.startswith("module.") for k in run["keys"]), run["keys"]

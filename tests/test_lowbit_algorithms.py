@@ -451,9 +451,35 @@ def test_qadam_optimizer_is_baguas_update_by_default_and_frozen_on_request(weigh
         QAdamOptimizer([torch.nn.Parameter(torch.zeros(2))], variant="other")
 
 
+@torch.no_grad()
+def _adam_step_one_parameter_at_a_time(opt):
+    """QAdamOptimizer's update written one parameter at a time (the oracle of its _foreach step)."""
+    import math
+
+    for group in opt.param_groups:
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], opt._decay(group)
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            state = opt.state[param]
+            if len(state) == 0:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(param)
+                state["exp_avg_sq"] = torch.zeros_like(param)
+            state["step"] += 1
+            step = state["step"]
+            if step < opt.warmup_steps:
+                grad = param.grad if wd == 0 else param.grad.add(param, alpha=wd)
+                state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            v_step = min(step, opt.warmup_steps - 1) if opt.variant == "frozen" else step
+            denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** v_step)).add_(eps)
+            param.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
+
+
 @pytest.mark.parametrize("variant,weight_decay,warmup", [("bagua", 0.0, 4), ("frozen", 0.01, 4), ("bagua", 0.0, 100)])
 def test_qadam_foreach_step_equals_the_per_parameter_loop_bit_for_bit(variant, weight_decay, warmup):
-    """QAdamOptimizer.step runs _foreach ops over runs of parameters; _step_loop is the
+    """QAdamOptimizer.step runs _foreach ops over runs of parameters; the oracle is the
     update one parameter at a time. Same numbers, with a parameter skipped (no gradient)
     once, so its step count lags the others', and exp_avg set from outside after the
     warm-up as the algorithm does."""
@@ -477,7 +503,7 @@ def test_qadam_foreach_step_equals_the_per_parameter_loop_bit_for_bit(variant, w
             grad = torch.randn(p.shape, generator=g)
             p.grad, q.grad = grad.clone(), grad.clone()
         a.step()
-        b._step_loop()
+        _adam_step_one_parameter_at_a_time(b)
         for p, q in zip(fast, loop):
             assert torch.equal(p, q) and a.state[p]["step"] == b.state[q]["step"], (it, p.shape)
             assert torch.equal(a.state[p]["exp_avg_sq"], b.state[q]["exp_avg_sq"])

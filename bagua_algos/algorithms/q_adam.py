@@ -102,9 +102,10 @@ class QAdamOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            # The update of the reference loop below (_step_loop), a few _foreach ops per
-            # run of parameters with one step count, device and dtype instead of ~8 ops
-            # per parameter: the same operations in the same order, so the same numbers.
+            # Adam's update as a few _foreach ops per run of parameters with one step
+            # count, device and dtype, instead of ~8 ops per parameter (the test
+            # test_qadam_foreach_step_equals_the_per_parameter_loop_bit_for_bit holds
+            # it to the loop one parameter at a time).
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], self._decay(group)
             runs: dict = {}
             for param in group["params"]:
@@ -128,39 +129,15 @@ class QAdamOptimizer(Optimizer):
                     torch._foreach_add_(exp_avg, grads, alpha=1 - beta1)
                     torch._foreach_mul_(exp_avg_sq, beta2)
                     torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - beta2)
+                # After the warm-up exp_avg is the compressed average the algorithm made
+                # and v is frozen; "frozen" freezes v̂ too (its bias correction stays at
+                # the last update), Bagua's keeps correcting by the step count.
                 v_step = min(step, self.warmup_steps - 1) if self.variant == "frozen" else step
                 denom = torch._foreach_sqrt(exp_avg_sq)
                 torch._foreach_div_(denom, math.sqrt(1 - beta2 ** v_step))
                 torch._foreach_add_(denom, eps)
                 torch._foreach_addcdiv_(params, exp_avg, denom, value=-lr / (1 - beta1 ** step))
         return loss
-
-    @torch.no_grad()
-    def _step_loop(self):
-        """The update one parameter at a time (the reference :meth:`step` is tested against)."""
-        for group in self.param_groups:
-            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], self._decay(group)
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                state = self.state[param]
-                if len(state) == 0:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                state["step"] += 1
-                step = state["step"]
-                if step < self.warmup_steps:
-                    grad = param.grad if wd == 0 else param.grad.add(param, alpha=wd)
-                    state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
-                    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                # After the warm-up exp_avg is the compressed average the algorithm made
-                # and v is frozen; "frozen" freezes v̂ too (its bias correction stays at
-                # the last update), Bagua's keeps correcting by the step count.
-                v_step = min(step, self.warmup_steps - 1) if self.variant == "frozen" else step
-                denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** v_step)).add_(eps)
-                param.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
-
 
 class QAdamAlgorithmImpl(AlgorithmImpl):
     def __init__(self, process_group, q_adam_optimizer: QAdamOptimizer, hierarchical: bool = True):

@@ -84,7 +84,7 @@ from typing import Callable, List, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from ..arguments import check_choice, check_flag, check_int
+from ..arguments import check_choice, check_flag, check_int, is_int
 
 __all__ = [
     "HEADER_BYTES",
@@ -682,7 +682,7 @@ def decode_chunks(
     if not sizes:
         raise ValueError("chunks (the sizes) is empty")
     for s in sizes:
-        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+        if not is_int(s) or s < 0:
             raise ValueError(f"chunk sizes must be non-negative ints, got {s!r}")
     if buf.numel() < HEADER_BYTES:
         raise ValueError(f"buf of {buf.numel()} bytes is shorter than one header")

@@ -1,13 +1,13 @@
 """Argument checks of the collectives: the communicator and rank arguments, tensors,
-reduction operators, counts and displacements (one rule for each kind)."""
+reduction operators, counts and displacements (one rule for each kind; integers by
+:mod:`bagua_algos.arguments`'s rule)."""
 
 from __future__ import annotations
-
-import numbers
 
 import torch
 import torch.distributed as dist
 
+from ...arguments import check_int, is_int
 from .env import _require_init
 from .groups import BaguaCommunicator, _as_communicator
 from .reduce_op import _BITWISE_OPS, _TORCH_OPS, ReduceOp
@@ -27,7 +27,7 @@ def _peer(c: BaguaCommunicator, local: bool, rank, what: str) -> int:
     """The global rank meant by rank argument ``what``."""
     if local:
         return c.global_rank(rank, what)
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank not in c.ranks:
+    if not is_int(rank) or rank not in c.ranks:
         raise ValueError(
             f"{what}={rank!r} is not a member of the group: with group= it is a global rank, one of {c.ranks}"
         )
@@ -92,9 +92,7 @@ def _counts(name: str, value, n: int, total: int | None = None) -> list[int]:
         raise ValueError(f"{name} must be a sequence of {n} non-negative integers (one per rank), got {value!r}") from None
     out = []
     for i, v in enumerate(items):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
-            raise ValueError(f"{name}[{i}] must be a non-negative integer, got {v!r}")
-        out.append(int(v))
+        out.append(check_int(f"{name}[{i}]", v, 0, what="a non-negative integer"))
     if total is not None and len(out) == n + 1:
         if out[n] != total:
             raise ValueError(

@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from .checks import (_check_same_dtype, _check_tensor, _counts, _op_and_finish, _peer, _reduce_op, _regions,
                      _target)
+from ...arguments import check_int
 from .counter import _count, _nbytes
 from .env import get_rank
 from .groups import BaguaCommunicator
@@ -192,8 +193,7 @@ def _rooted_inplace(c: BaguaCommunicator, local: bool, tensor: torch.Tensor, cou
     elements on the root and ``count`` elsewhere. Returns (global root, nranks,
     whether this is the root, ``tensor`` as 1-D)."""
     _check_tensor("tensor", tensor)
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise ValueError(f"count must be a non-negative integer, got {count!r}")
+    count = check_int("count", count, 0, what="a non-negative integer")
     root = _peer(c, local, root, root_name)
     n = c.nranks()
     at_root = get_rank() == root

@@ -12,6 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ...arguments import is_int
 from .env import _env_int, _require_init, get_local_size, get_rank, get_world_size, is_initialized
 from .helper_thread import _stop_helper
 
@@ -225,12 +226,12 @@ class BaguaCommunicator:
 
     def global_rank(self, rank: int, what: str = "rank") -> int:
         """The global rank of communicator rank ``rank``."""
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(self.ranks):
+        if not is_int(rank) or not 0 <= rank < len(self.ranks):
             raise ValueError(
                 f"{what}={rank!r} is not a rank of this communicator: with comm= it is a rank inside "
                 f"the communicator, 0..{len(self.ranks) - 1} (its global ranks are {self.ranks})"
             )
-        return self.ranks[rank]
+        return self.ranks[int(rank)]
 
     def __repr__(self) -> str:
         return f"BaguaCommunicator({self.name or 'group'}, ranks={self.ranks}, rank={self._rank})"
@@ -336,8 +337,9 @@ def new_group(ranks: Sequence[int] | None = None, stream=None, *, timeout: timed
     else:
         ranks = list(ranks)
         for r in ranks:
-            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world:
+            if not is_int(r) or not 0 <= r < world:
                 raise ValueError(f"new_group(ranks=...): invalid rank {r!r}, ranks must be in [0, {world})")
+        ranks = [int(r) for r in ranks]
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"new_group(ranks=...): duplicate ranks in {ranks}")
         if not ranks:

@@ -27,26 +27,22 @@ def _rank_not_in_group(group) -> bool:
 
 def broadcast_coalesced(tensors, src: int = 0, comm=None):
     """Bagua's ``broadcast_coalesced``: :func:`broadcast` of several tensors as one buffer."""
-    tensors = list(tensors)
-    if not tensors:
-        return
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    _comm.broadcast(flat, src, comm)
-    _write_back(tensors, flat)
+    _coalesced(tensors, lambda flat: _comm.broadcast(flat, src, comm))
 
 
 def allreduce_coalesced_inplace(tensors, op=_comm.ReduceOp.SUM, comm=None):
     """Bagua's ``allreduce_coalesced_inplace``: :func:`allreduce_inplace` of several
     tensors (one dtype) as one buffer."""
+    _coalesced(tensors, lambda flat: _comm.allreduce_inplace(flat, op, comm))
+
+
+def _coalesced(tensors, collective) -> None:
+    """``collective`` on the tensors packed in one buffer, the results copied back."""
     tensors = list(tensors)
     if not tensors:
         return
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    _comm.allreduce_inplace(flat, op, comm)
-    _write_back(tensors, flat)
-
-
-def _write_back(tensors, flat) -> None:
+    collective(flat)
     offset = 0
     with torch.no_grad():
         for t in tensors:

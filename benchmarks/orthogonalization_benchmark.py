@@ -3,11 +3,12 @@
 Two sets of matrices:
 
 - ``resnet18``: the P factors of one PowerSGD step of the CIFAR ResNet-18 at ranks 1,
-  2 and 4. A layer's gradient is viewed as shape[0] × (the rest) = n × m and P is
+  2, 4 and 8 (PowerSGD's usual ranks). A layer's gradient is viewed as shape[0] × (the rest) = n × m and P is
   n × r. Only layers PowerSGD compresses count (2-D or more, and compression rate
   n·m / ((n + m)·r) ≥ 2): conv1 (64×3×3×3), the 16 3×3 convolutions of layer1–layer4,
   the 3 1×1 shortcuts and fc (10×512), i.e. 21 matrices with 64, 128, 256, 512 or
-  10 rows; biases and batch-norm parameters are 1-D and not compressed.
+  10 rows (at rank 8 fc's rate is 1.2, so 20 matrices); biases and batch-norm
+  parameters are 1-D and not compressed.
 - ``grid``: the thesis's Table 4.1 grid, one m × r matrix per shape,
   r ∈ {2, 4, …, 128}, m ∈ {256, 512, …, 4096}.
 
@@ -191,7 +192,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--sets", default="resnet18,grid", help="comma-separated: resnet18, grid")
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--ranks", default="1,2,4", help="ResNet-18 ranks")
+    parser.add_argument("--ranks", default="1,2,4,8", help="ResNet-18 ranks")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=50, help="timed calls per case (resnet18)")
     parser.add_argument("--grid-repeats", type=int, default=None, help="timed calls per grid case (default: --repeats)")

@@ -85,19 +85,23 @@ def orthogonalize(matrices: Sequence[torch.Tensor], epsilon: float = DEFAULT_EPS
     the matrix, with the same words on every device.
     """
     epsilon = _check_epsilon(epsilon)
-    if isinstance(matrices, (list, tuple)):
-        # Fast path: CPU tensors, module loaded. The compiled module checks shapes and
-        # dtypes itself (with the same words), so the per-matrix Python checks are
-        # skipped. Tensors on a GPU are always checked here first: nothing reaches a
-        # device path unchecked, whatever a module build does with a C++ exception.
-        try:
-            devices = {a.device for a in matrices}
-        except AttributeError:
-            devices = None
-        if devices is not None and not devices:
-            return []
-        if devices == {torch.device("cpu")} and _loader.loaded("cpu"):
-            return _loader.load("cpu").orthogonalize(list(matrices), epsilon)
+    if type(matrices) in (list, tuple) and matrices:
+        # Fast path: CPU tensors, module loaded. The compiled module checks every
+        # matrix (shape, dtype, all on matrices[0]'s device) before it runs anything, so
+        # the per-matrix Python checks are skipped. When it refuses the call (a bad
+        # matrix, or matrices on several devices, which the path below splits by
+        # device), the path below runs instead and raises or splits as it always does.
+        # Nothing on a GPU reaches a device path from here: a list led by a CPU tensor
+        # with a GPU tensor in it is refused by the module's checks before it runs.
+        module = _loader.loaded_module("cpu")
+        first = matrices[0]
+        if module is not None and isinstance(first, torch.Tensor) and first.is_cpu:
+            try:
+                return module.orthogonalize(list(matrices), epsilon)
+            except (ValueError, TypeError):
+                pass
+    elif isinstance(matrices, (list, tuple)) and not matrices:
+        return []
     matrices = _check_matrices(matrices)
     by_device = defaultdict(list)
     for index, a in enumerate(matrices):

@@ -79,6 +79,15 @@ def loaded(kind: Optional[str] = None) -> bool:
         return kind in _modules or (kind == "cpu" and "cuda" in _modules)
 
 
+def loaded_module(kind: str) -> Optional[ModuleType]:
+    """The module that :func:`load` would return for ``kind`` if it is already loaded,
+    else None; never builds. No lock: a dict lookup (for the per-call fast path)."""
+    module = _modules.get(kind)
+    if module is None and kind == "cpu":
+        module = _modules.get("cuda")
+    return module
+
+
 def load(kind: str) -> ModuleType:
     """The module of ``kind``, building it on first use; raises ExtensionUnavailable."""
     if kind not in KINDS:

@@ -66,15 +66,16 @@ void check_tensors(const std::vector<at::Tensor>& tensors, const char* what, int
   const char* layout = dims == 2 ? "(m x r)" : "(b x m x r)";
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& a = tensors[i];
-    const std::string name = std::string(what) + "[" + std::to_string(i) + "]";
-    TORCH_CHECK_VALUE(a.defined(), name, " must be a tensor, got an undefined tensor");
-    TORCH_CHECK_VALUE(a.dim() == dims, name, " must be a ", dims, "-D tensor ", layout, ", got a ", a.dim(),
+    // The name ("matrices[3]") is put together only when a check fails: the messages
+    // of TORCH_CHECK_VALUE are evaluated then.
+    TORCH_CHECK_VALUE(a.defined(), what, "[", i, "]", " must be a tensor, got an undefined tensor");
+    TORCH_CHECK_VALUE(a.dim() == dims, what, "[", i, "]", " must be a ", dims, "-D tensor ", layout, ", got a ", a.dim(),
                       "-D tensor");
-    TORCH_CHECK_VALUE(supported_dtype(a.scalar_type()), name, " must be float32, float64, float16 or bfloat16, got ",
+    TORCH_CHECK_VALUE(supported_dtype(a.scalar_type()), what, "[", i, "]", " must be float32, float64, float16 or bfloat16, got ",
                       python_dtype(a.scalar_type()));
-    TORCH_CHECK_VALUE(a.size(dims - 1) <= a.size(dims - 2), name,
+    TORCH_CHECK_VALUE(a.size(dims - 1) <= a.size(dims - 2), what, "[", i, "]",
                       " must have no more columns than rows (r <= m), got shape ", python_shape(a));
-    TORCH_CHECK_VALUE(a.device() == tensors[0].device(), name, " is on ", a.device(), " but ", what, "[0] is on ",
+    TORCH_CHECK_VALUE(a.device() == tensors[0].device(), what, "[", i, "]", " is on ", a.device(), " but ", what, "[0] is on ",
                       tensors[0].device(), "; one call takes tensors of one device");
   }
 }

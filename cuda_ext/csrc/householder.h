@@ -199,6 +199,136 @@ HH_HD void householder_q_inplace(Team& team, acc_t* w, int64_t m, int64_t r, acc
   }
 }
 
+#if !defined(__CUDACC__)
+// The same steps 1 and 2 for a team of one thread (the CPU path), written so that the
+// compiler can vectorize them: every sum of products runs over kSerialLanes running
+// sums (element i of a sum goes to sum i mod kSerialLanes, the sums are then added
+// pairwise in a fixed tree), and the columns of a reflection are plain loops over
+// distinct columns. Same reflections, same Q, only the order of the additions
+// differs from the generic code above, so the results agree with it up to rounding;
+// the order is fixed (it does not depend on the vector width the compiler picks), so
+// a result is still bitwise reproducible run to run.
+constexpr int kSerialLanes = 16;
+
+template <typename acc_t>
+inline acc_t serial_dot(const acc_t* __restrict__ a, const acc_t* __restrict__ b, int64_t n) {
+  acc_t s[kSerialLanes];
+  for (int l = 0; l < kSerialLanes; ++l) s[l] = acc_t(0);
+  int64_t i = 0;
+  for (; i + kSerialLanes <= n; i += kSerialLanes) {
+    for (int l = 0; l < kSerialLanes; ++l) s[l] += a[i + l] * b[i + l];
+  }
+  for (int l = 0; i + l < n; ++l) s[l] += a[i + l] * b[i + l];
+  // Pairwise: s[l] += s[l + 8], then s[l] += s[l + 4], ... (one loop per width, so
+  // each is a constant-trip-count loop the compiler unrolls).
+  static_assert(kSerialLanes == 16, "the tree below adds 16 sums");
+  for (int l = 0; l < 8; ++l) s[l] += s[l + 8];
+  for (int l = 0; l < 4; ++l) s[l] += s[l + 4];
+  for (int l = 0; l < 2; ++l) s[l] += s[l + 2];
+  return s[0] + s[1];
+}
+
+// The leading dimension of the serial work matrix: m rounded up to 16 elements (64
+// bytes for float) plus 16, so that no two columns are a multiple of 4 KiB apart
+// (stores to one column and loads from another at such distances stall on x86: the
+// row-wise copies below would hit that for m = 512 or 1024).
+inline int64_t serial_work_ld(int64_t m) { return (m + 15) / 16 * 16 + 16; }
+
+// W[j:, k] -= 2 (v^T W[j:, k]) v for k in [first, cols), v = W[j:, j]; W has leading
+// dimension ld.
+template <typename acc_t>
+inline void serial_apply_reflection(acc_t* w, int64_t ld, int64_t m, int64_t cols, int64_t j, int64_t first) {
+  const acc_t* __restrict__ v = w + j * ld + j;
+  const int64_t n = m - j;
+  for (int64_t k = first; k < cols; ++k) {
+    acc_t* __restrict__ x = w + k * ld + j;
+    const acc_t d = acc_t(2) * serial_dot(v, x, n);
+    for (int64_t i = 0; i < n; ++i) x[i] -= d * v[i];
+  }
+}
+
+// householder_q_inplace for a team of one thread, W with leading dimension ld >= m.
+template <typename acc_t>
+inline void serial_householder_q(acc_t* w, int64_t ld, int64_t m, int64_t r, acc_t epsilon) {
+  // REFLECTIONS
+  for (int64_t j = 0; j < r; ++j) {
+    acc_t* __restrict__ x = w + j * ld;
+    const acc_t x0 = x[j];
+    const acc_t sigma = serial_dot(x + j + 1, x + j + 1, m - j - 1);
+    const acc_t alpha = hh_sqrt(x0 * x0 + sigma);
+    if (sigma > acc_t(0) && alpha > epsilon) {
+      const acc_t v0 = x0 >= acc_t(0) ? x0 + alpha : x0 - alpha;
+      const acc_t inv_norm = acc_t(1) / hh_sqrt(v0 * v0 + sigma);
+      x[j] = v0 * inv_norm;
+      for (int64_t i = j + 1; i < m; ++i) x[i] *= inv_norm;
+    } else {
+      for (int64_t i = j; i < m; ++i) x[i] = acc_t(0);
+    }
+    serial_apply_reflection(w, ld, m, r, j, j + 1);
+  }
+  // Q_LOOP
+  for (int64_t j = r - 1; j >= 0; --j) {
+    serial_apply_reflection(w, ld, m, r, j, j + 1);
+    acc_t* __restrict__ x = w + j * ld;
+    const acc_t v0 = x[j];
+    for (int64_t i = 0; i < j; ++i) x[i] = acc_t(0);
+    x[j] = acc_t(1) - acc_t(2) * x[j] * v0;
+    for (int64_t i = j + 1; i < m; ++i) x[i] = acc_t(0) - acc_t(2) * x[i] * v0;
+  }
+}
+// Steps 0 to 3 for one matrix with a team of one thread (orthogonalize_matrix below,
+// same arithmetic): the copies run along the input's and the output's shorter stride.
+// w holds serial_work_ld(m) * r elements.
+template <typename scalar_t, typename acc_t>
+inline void serial_orthogonalize_matrix(const MatrixDesc& d, acc_t* w, acc_t epsilon) {
+  const int64_t m = d.rows, r = d.cols, ld = serial_work_ld(m);
+  const scalar_t* in = static_cast<const scalar_t*>(d.input);
+  scalar_t* out = static_cast<scalar_t*>(d.output);
+  const bool in_by_rows = d.in_col_stride < d.in_row_stride;
+  acc_t largest = acc_t(0);
+  if (in_by_rows) {
+    for (int64_t i = 0; i < m; ++i) {
+      const scalar_t* in_row = in + i * d.in_row_stride;
+      for (int64_t k = 0; k < r; ++k) {
+        const acc_t a = static_cast<acc_t>(in_row[k * d.in_col_stride]);
+        w[k * ld + i] = a;
+        largest = MaxOp()(largest, hh_abs(a));
+      }
+    }
+  } else {
+    for (int64_t k = 0; k < r; ++k) {
+      const scalar_t* in_col = in + k * d.in_col_stride;
+      acc_t* w_col = w + k * ld;
+      for (int64_t i = 0; i < m; ++i) {
+        const acc_t a = static_cast<acc_t>(in_col[i * d.in_row_stride]);
+        w_col[i] = a;
+        largest = MaxOp()(largest, hh_abs(a));
+      }
+    }
+  }
+  const acc_t scale = inverse_power_of_two(largest);
+  if (scale != acc_t(1)) {
+    for (int64_t k = 0; k < r; ++k) {
+      acc_t* w_col = w + k * ld;
+      for (int64_t i = 0; i < m; ++i) w_col[i] *= scale;
+    }
+  }
+  serial_householder_q(w, ld, m, r, epsilon);
+  if (d.out_col_stride < d.out_row_stride) {
+    for (int64_t i = 0; i < m; ++i) {
+      scalar_t* out_row = out + i * d.out_row_stride;
+      for (int64_t k = 0; k < r; ++k) out_row[k * d.out_col_stride] = static_cast<scalar_t>(w[k * ld + i]);
+    }
+  } else {
+    for (int64_t k = 0; k < r; ++k) {
+      scalar_t* out_col = out + k * d.out_col_stride;
+      const acc_t* w_col = w + k * ld;
+      for (int64_t i = 0; i < m; ++i) out_col[i * d.out_row_stride] = static_cast<scalar_t>(w_col[i]);
+    }
+  }
+}
+#endif
+
 // Steps 0 to 3 for one matrix: read (any strides), scale, factor, write Q.
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable

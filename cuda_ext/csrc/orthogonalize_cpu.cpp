@@ -1,5 +1,6 @@
 // CPU path: the per-matrix Householder math of householder.h with a team of one
-// thread, matrices spread over threads with ATen's parallel_for. Inputs are checked
+// thread (serial_orthogonalize_matrix: the generic steps written so that the compiler
+// vectorizes them), matrices spread over threads with ATen's parallel_for. Inputs are checked
 // in bindings.cpp before this runs.
 #include "orthogonalize.h"
 
@@ -17,9 +18,8 @@ namespace {
 template <typename scalar_t>
 void run_one(const MatrixDesc& d, void* work, double epsilon) {
   using acc_t = typename AccumulateType<scalar_t>::type;
-  SerialTeam<acc_t> team;
-  orthogonalize_matrix<SerialTeam<acc_t>, scalar_t, acc_t>(team, d, static_cast<acc_t*>(work) + d.work_offset,
-                                                           static_cast<acc_t>(epsilon));
+  serial_orthogonalize_matrix<scalar_t, acc_t>(d, static_cast<acc_t*>(work) + d.work_offset,
+                                               static_cast<acc_t>(epsilon));
 }
 
 void run_one_any(at::ScalarType dtype, const MatrixDesc& d, void* float_work, void* double_work, double epsilon) {
@@ -48,7 +48,7 @@ void run_cpu(std::vector<Job>& jobs, double epsilon) {
   for (auto& job : jobs) {
     int64_t& size = job.dtype == at::kDouble ? double_size : float_size;
     job.desc.work_offset = size;
-    size += job.desc.rows * job.desc.cols;
+    size += serial_work_ld(job.desc.rows) * job.desc.cols;
   }
   CpuWorkspace& ws = cpu_workspace;
   if (static_cast<int64_t>(ws.floats.size()) < float_size) ws.floats.resize(float_size);

@@ -32,6 +32,9 @@ class FakeBucket:
     def _before_ops(self) -> None:
         pass
 
+    def _local_only(self) -> bool:
+        return False  # its ops stand for communication: they run on the communication thread
+
     def _run_ops(self) -> None:
         time.sleep(self._seconds)
         self._log.append((self.name, threading.current_thread().name))

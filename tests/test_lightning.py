@@ -170,6 +170,12 @@ def _lightning_bagua_calls(rank):
     pair = [torch.full((2,), float(rank)), torch.full((1, 3), float(rank + 5))]
     broadcast_coalesced(pair, src=1)
     result["coalesced_broadcast"] = [t.clone() for t in pair]
+    from bagua.torch_api.data_parallel.functional import all_reduce
+
+    x = torch.tensor([float(rank + 1), 2.0], requires_grad=True)
+    y = all_reduce(x)  # sum over ranks: [3, 4]; d(sum(y * w))/dx = allreduce of w
+    (y * torch.tensor([1.0, float(rank)])).sum().backward()
+    result["functional"] = (y.detach().clone(), x.grad.clone())
     runs = {}
     for name, kwargs in (("gradient_allreduce", {}), ("decentralized", {}), ("low_precision_decentralized", {}),
                          ("bytegrad", {}), ("async", {"sync_interval_ms": 5}), ("qadam", None)):
@@ -282,6 +288,8 @@ def test_lightning_bagua_calls(lightning_runs):
         assert torch.equal(c["coalesced_sum"][1], torch.full((3,), 30.0))
         assert torch.equal(c["coalesced_broadcast"][0], torch.full((2,), 1.0))
         assert torch.equal(c["coalesced_broadcast"][1], torch.full((1, 3), 6.0))
+        y, grad = c["functional"]  # data_parallel.functional.all_reduce and its gradient
+        assert torch.equal(y, torch.tensor([3.0, 4.0])) and torch.equal(grad, torch.tensor([2.0, 1.0]))
     for name, run in c0["runs"].items():
         assert all(math.isfinite(v) for v in run["losses"]), name
         assert all(k.startswith("module.") for k in run["keys"]), run["keys"]

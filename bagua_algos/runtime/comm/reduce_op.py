@@ -30,3 +30,21 @@ _TORCH_OPS = {
     ReduceOp.BXOR: dist.ReduceOp.BXOR,
 }
 _BITWISE_OPS = (ReduceOp.BOR, ReduceOp.BAND, ReduceOp.BXOR)
+
+# torch's own names, for the functions of Bagua's API whose signatures use them
+# (bagua.torch_api.data_parallel.functional.all_reduce: op=dist.ReduceOp.SUM).
+TORCH_SUM = dist.ReduceOp.SUM
+
+
+def from_torch_reduce_op(op) -> ReduceOp:
+    """Bagua's operator for torch's ``ReduceOp.SUM`` or ``ReduceOp.MAX`` (the two Bagua maps)."""
+    if op == dist.ReduceOp.SUM:
+        return ReduceOp.SUM
+    if op == dist.ReduceOp.MAX:
+        return ReduceOp.MAX
+    raise ValueError(f"op must be torch.distributed.ReduceOp.SUM or MAX, got {op!r}")
+
+
+def is_torch_world(group) -> bool:
+    """Whether ``group`` is torch's ``dist.group.WORLD`` (the default group)."""
+    return group is dist.group.WORLD

@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from bagua_algos.runtime import comm as _comm
 from bagua_algos.runtime.comm import ReduceOp  # noqa: F401 - Bagua defines it here too
+from bagua_algos.runtime.comm.reduce_op import TORCH_SUM, from_torch_reduce_op, is_torch_world
 
 __all__ = ["ReduceOp", "all_reduce", "torch_reduce_op_to_bagua"]
 
 
-def torch_reduce_op_to_bagua(op):
-    """torch's ``ReduceOp.SUM`` / ``MAX`` as Bagua's (the two Bagua maps)."""
-    if op == dist.ReduceOp.SUM:
-        return ReduceOp.SUM
-    if op == dist.ReduceOp.MAX:
-        return ReduceOp.MAX
-    raise ValueError(f"op must be torch.distributed.ReduceOp.SUM or MAX, got {op!r}")
+torch_reduce_op_to_bagua = from_torch_reduce_op  # Bagua's name: torch's SUM / MAX as Bagua's
 
 
 class _AllReduce(torch.autograd.Function):
@@ -33,9 +27,9 @@ class _AllReduce(torch.autograd.Function):
         return None, None, _AllReduce.apply(ctx.op, ctx.group, grad_output)
 
 
-def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None):
+def all_reduce(tensor, op=TORCH_SUM, group=None):
     """Bagua's ``all_reduce(tensor, op=SUM, group=WORLD)``: a new tensor holding the
     reduction over the group; its gradient is the same allreduce of the output's."""
-    if group is dist.group.WORLD:
+    if is_torch_world(group):
         group = None
     return _AllReduce.apply(op, group, tensor)

@@ -105,25 +105,12 @@ class DistributedDataParallel_V1_9_0(torch.nn.Module):
         """The ``BaguaDistributedDataParallel`` that runs the algorithm."""
         return self.__dict__["bagua_ddp"]
 
-    @property
-    def bagua_algorithm(self):
-        return self.inner.bagua_algorithm
-
-    @property
-    def bagua_optimizers(self):
-        return self.inner.bagua_optimizers
-
-    @property
-    def bagua_buckets(self):
-        return self.inner.bagua_buckets
-
-    @property
-    def bagua_module_name(self):
-        return self.inner.bagua_module_name
-
-    @property
-    def bagua_train_step_counter(self):
-        return self.inner.bagua_train_step_counter
+    bagua_algorithm = property(lambda self: self.inner.bagua_algorithm, doc="The AlgorithmImpl it trains with.")
+    bagua_optimizers = property(lambda self: self.inner.bagua_optimizers, doc="The optimizers given to it.")
+    bagua_buckets = property(lambda self: self.inner.bagua_buckets, doc="The module's buckets, in order.")
+    bagua_module_name = property(lambda self: self.inner.bagua_module_name, doc="The module's name.")
+    bagua_train_step_counter = property(lambda self: self.inner.bagua_train_step_counter,
+                                        doc="Training forwards so far.")
 
     @property
     def require_backward_grad_sync(self) -> bool:

@@ -23,12 +23,14 @@ def free_port() -> int:
 
 
 def child_env(extra_path=()) -> dict:
-    """This environment less any launcher's variables, one thread, gloo (CPU workers), the repo importable."""
+    """This environment less any launcher's variables, one thread, gloo (CPU workers), the repo importable,
+    Python's fault handler on."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
         env.pop(name, None)
     env["OMP_NUM_THREADS"] = "1"
     env["BAGUA_ALGOS_BACKEND"] = "gloo"  # CPU workers, also on a GPU machine (a test may change it)
+    env["PYTHONFAULTHANDLER"] = "1"  # a child killed by SIGABRT/SIGSEGV prints every thread's Python stack
     env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO), *map(str, extra_path)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env

@@ -742,6 +742,22 @@ def test_neighbor_exchange_jobs_exit_cleanly_every_time():
     print(f"{launches} launches of {workers} workers: {time.monotonic() - started:.1f} s")
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists threads through /proc")
+def test_destroy_frees_the_group_even_after_the_first_optimizer_was_built():
+    """The first optimizer built after init imports torch.distributed.nn.functional,
+    whose collectives keep the live default group as a default argument;
+    comm.destroy_process_group() must still free it: no gloo thread outlives the group
+    (before the fix, 3 per worker ran on into interpreter finalization). The rewritten
+    defaults still reach the next job's default group."""
+    code, out, err = run_python([REPO / "tests" / "launch_workers" / "group_release.py", 2],
+                                env=child_env(), timeout=120)
+    assert code == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    workers = json.loads(out.strip().splitlines()[-1])["workers"]
+    assert [w["gloo_threads"] for w in workers] == [[], []]
+    assert [w["second_group_sum"] for w in workers] == [3.0, 3.0]
+    assert "terminate called" not in err
+
+
 def test_backend_choice_names_the_gpu_count_before_any_cuda_call(monkeypatch, tmp_path):
     """More workers on a node than GPUs: a clear error with both counts and the ways out,
     raised before torch.cuda.set_device (never "invalid device ordinal")."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
+import types
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -160,6 +162,34 @@ def destroy_process_group() -> None:
     _state.update(timeout=None, owner=False, default=None, group_count=0)
     if is_initialized():
         dist.destroy_process_group()
+        _drop_groups_held_as_defaults()
+
+
+def _drop_groups_held_as_defaults() -> None:
+    """Point every torch.distributed function whose default argument is a process
+    group back at ``None`` (the default group), so that destroyed groups are freed.
+
+    Why: torch.distributed.nn.functional declares ``group=group.WORLD``, evaluated once,
+    when the module is first imported; building the first optimizer imports it (torch.optim
+    → torch._dynamo → FSDP). A script that builds its optimizer after init_process_group
+    thus leaves the job's group in ten default tuples, and dist.destroy_process_group()
+    cannot free it: its gloo threads (or NCCL watchdog) run on into interpreter
+    finalization, where gloo's threads meet the teardown of the interpreter and of the
+    peer (the suspected cause of a rare "terminate called without an active exception",
+    SIGABRT, after a successful run). ``None`` is what ``group.WORLD`` was before init
+    and what torch reads as the default group.
+    """
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torch.distributed"):
+            continue
+        for fn in list(vars(module).values()):
+            if type(fn) is not types.FunctionType:  # type(): no attribute access on the module's objects
+                continue
+            if fn.__defaults__ and any(isinstance(d, dist.ProcessGroup) for d in fn.__defaults__):
+                fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in fn.__defaults__)
+            if fn.__kwdefaults__ and any(isinstance(d, dist.ProcessGroup) for d in fn.__kwdefaults__.values()):
+                fn.__kwdefaults__ = {k: None if isinstance(d, dist.ProcessGroup) else d
+                                     for k, d in fn.__kwdefaults__.items()}
 
 
 def _destroy_at_exit() -> None:

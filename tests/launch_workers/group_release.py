@@ -1,0 +1,101 @@
+"""Fork gloo workers that train a step and leave; report which gloo threads outlive the group.
+
+Usage: group_release.py WORKERS
+
+For tests/test_comm.py. Each worker joins a gloo group through comm, builds its first
+optimizer *after* init_process_group (which imports torch.distributed.nn.functional,
+whose functions capture the live default group as a default argument), trains one
+step under with_bagua, calls comm.destroy_process_group() and then lists the threads
+of its process that belong to gloo: a freed group leaves none. It then joins a second
+group and runs torch.distributed.nn.functional.all_reduce with its default group (the
+defaults comm rewrote must still work).
+
+Prints one JSON line: {"workers": [{"gloo_threads": [...], "second_group_sum": x}, ...]}.
+"""
+
+import gc
+import json
+import os
+import sys
+import tempfile
+import warnings
+from datetime import timedelta
+
+import torch
+
+import bagua_algos  # noqa: F401 - patches nn.Module.with_bagua
+from bagua_algos.algorithms import gradient_allreduce
+from bagua_algos.runtime import comm
+
+GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
+
+
+def thread_names() -> list[str]:
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names
+
+
+def worker(rank: int, world: int, tmp: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    timeout = timedelta(seconds=60)
+    store = torch.distributed.FileStore(os.path.join(tmp, "store1"), world)
+    comm.init_process_group(store, rank, world, backend="gloo", timeout=timeout)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # the first optimizer: after init
+    model = model.with_bagua([optimizer], gradient_allreduce.GradientAllReduceAlgorithm())
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    comm.destroy_process_group()
+    gc.collect()
+    gloo = sorted(n for n in thread_names() if n in GLOO_THREADS)
+
+    import torch.distributed.nn.functional as dist_fn
+
+    store = torch.distributed.FileStore(os.path.join(tmp, "store2"), world)
+    comm.init_process_group(store, rank, world, backend="gloo", timeout=timeout)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated in torch, still shipped
+        total = dist_fn.all_reduce(torch.full((2,), float(rank + 1)))
+    comm.destroy_process_group()
+    with open(out_path, "w") as f:
+        json.dump({"gloo_threads": gloo, "second_group_sum": float(total[0])}, f)
+
+
+def main() -> None:
+    world = int(sys.argv[1])
+    tmp = tempfile.mkdtemp()
+    pids = []
+    for rank in range(world):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                worker(rank, world, tmp, os.path.join(tmp, f"rank{rank}.json"))
+            except BaseException:  # noqa: BLE001 - reported through the exit code
+                import traceback
+
+                traceback.print_exc()
+                code = 3
+            sys.exit(code)  # a normal interpreter exit, not os._exit
+        pids.append(pid)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+    if any(codes):
+        print(json.dumps({"codes": codes}))
+        sys.exit(1)
+    reports = []
+    for rank in range(world):
+        with open(os.path.join(tmp, f"rank{rank}.json")) as f:
+            reports.append(json.load(f))
+    print(json.dumps({"workers": reports}))
+
+
+if __name__ == "__main__":
+    main()

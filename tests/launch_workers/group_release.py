@@ -1,18 +1,24 @@
 """Fork gloo workers that train a step and leave; report which gloo threads outlive the group.
 
-Usage: group_release.py WORKERS
+Usage: group_release.py WORKERS MODE
 
 For tests/test_comm.py. Each worker joins a gloo group through comm, builds its first
 optimizer *after* init_process_group (which imports torch.distributed.nn.functional,
 whose functions capture the live default group as a default argument), trains one
-step under with_bagua, calls comm.destroy_process_group() and then lists the threads
-of its process that belong to gloo: a freed group leaves none. It then joins a second
-group and runs torch.distributed.nn.functional.all_reduce with its default group (the
-defaults comm rewrote must still work).
+step under with_bagua and leaves the group. It then lists the threads of its process
+that belong to gloo: a freed group leaves none.
 
-Prints one JSON line: {"workers": [{"gloo_threads": [...], "second_group_sum": x}, ...]}.
+- MODE "comm": comm.destroy_process_group(), threads listed right after it; then a
+  second group, and torch.distributed.nn.functional.all_reduce over its default group
+  (the defaults comm rewrote must still work).
+- MODE "torch": torch's own dist.destroy_process_group(); threads listed at exit, after
+  comm's exit hook.
+
+Prints one JSON line: {"workers": [{"gloo_threads": [...], "second_group_sum": x}, ...]}
+(no second_group_sum in mode "torch").
 """
 
+import atexit
 import gc
 import json
 import os
@@ -41,7 +47,15 @@ def thread_names() -> list[str]:
     return names
 
 
-def worker(rank: int, world: int, tmp: str, out_path: str) -> None:
+def worker(rank: int, world: int, mode: str, tmp: str, out_path: str) -> None:
+    def report(**fields) -> None:
+        gc.collect()
+        fields["gloo_threads"] = sorted(n for n in thread_names() if n in GLOO_THREADS)
+        with open(out_path, "w") as f:
+            json.dump(fields, f)
+
+    if mode == "torch":
+        atexit.register(report)  # registered before comm's hook, so it runs after it
     torch.set_num_threads(1)
     timeout = timedelta(seconds=60)
     store = torch.distributed.FileStore(os.path.join(tmp, "store1"), world)
@@ -51,9 +65,12 @@ def worker(rank: int, world: int, tmp: str, out_path: str) -> None:
     model = model.with_bagua([optimizer], gradient_allreduce.GradientAllReduceAlgorithm())
     model(torch.randn(3, 4)).sum().backward()
     optimizer.step()
+    if mode == "torch":
+        torch.distributed.destroy_process_group()
+        return
     comm.destroy_process_group()
     gc.collect()
-    gloo = sorted(n for n in thread_names() if n in GLOO_THREADS)
+    threads = sorted(n for n in thread_names() if n in GLOO_THREADS)
 
     import torch.distributed.nn.functional as dist_fn
 
@@ -64,11 +81,11 @@ def worker(rank: int, world: int, tmp: str, out_path: str) -> None:
         total = dist_fn.all_reduce(torch.full((2,), float(rank + 1)))
     comm.destroy_process_group()
     with open(out_path, "w") as f:
-        json.dump({"gloo_threads": gloo, "second_group_sum": float(total[0])}, f)
+        json.dump({"gloo_threads": threads, "second_group_sum": float(total[0])}, f)
 
 
 def main() -> None:
-    world = int(sys.argv[1])
+    world, mode = int(sys.argv[1]), sys.argv[2]
     tmp = tempfile.mkdtemp()
     pids = []
     for rank in range(world):
@@ -78,7 +95,7 @@ def main() -> None:
         if pid == 0:
             code = 0
             try:
-                worker(rank, world, tmp, os.path.join(tmp, f"rank{rank}.json"))
+                worker(rank, world, mode, tmp, os.path.join(tmp, f"rank{rank}.json"))
             except BaseException:  # noqa: BLE001 - reported through the exit code
                 import traceback
 

@@ -194,12 +194,18 @@ def _drop_groups_held_as_defaults() -> None:
 
 def _destroy_at_exit() -> None:
     # A process group still alive at interpreter exit is torn down while its backend
-    # threads run, which can abort the process; destroy it first (only if ours).
-    if _state["owner"] and is_initialized():
-        try:
+    # threads run, which can abort the process; destroy it first (only if ours). A
+    # script that called torch's dist.destroy_process_group() itself may still have
+    # left the group in torch's default arguments: free it now, not at finalization.
+    if not _state["owner"]:
+        return
+    try:
+        if is_initialized():
             destroy_process_group()
-        except Exception:  # noqa: BLE001 - nothing useful to do at exit
-            pass
+        else:
+            _drop_groups_held_as_defaults()
+    except Exception:  # noqa: BLE001 - nothing useful to do at exit
+        pass
 
 
 def get_backend(group=None) -> str:

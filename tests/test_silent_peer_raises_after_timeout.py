@@ -5,6 +5,7 @@ timeout, never a hang: gradient allreduce (flat and hierarchical), decentralized
 
 from __future__ import annotations
 
+import pathlib
 import time
 
 import pytest
@@ -39,26 +40,37 @@ SILENT_CASES = {
 }
 
 
-def _silent_peer(rank, n, case):
+SILENCE_CAP_S = 30.0  # the silent peer's longest silence; the others must raise well before
+
+
+def _silent_peer(rank, n, case, done_dir):
     model = bn_model(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model.with_bagua([opt], SILENT_CASES[case]())
     train(model, opt, 1, rank)
+    done = pathlib.Path(done_dir)
     if rank == n - 1:
-        time.sleep(15)  # silent: takes no further step
+        # Silent: takes no further step until every other worker has its outcome (so its
+        # return cannot be what ends their wait), at most SILENCE_CAP_S.
+        deadline = time.monotonic() + SILENCE_CAP_S
+        while len(list(done.iterdir())) < n - 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
         return None
     start = time.monotonic()
     try:
         # Gossip reaches the silent peer's far neighbours one hop per step.
         train(model, opt, 8, rank, start=1)
+        outcome = time.monotonic() - start, "no error"
     except Exception as exc:  # noqa: BLE001 - the point is that it raises
-        return time.monotonic() - start, f"{type(exc).__name__}: {exc}"[:300]
-    return time.monotonic() - start, "no error"
+        outcome = time.monotonic() - start, f"{type(exc).__name__}: {exc}"[:300]
+    (done / str(rank)).touch()
+    return outcome
 
 
 @pytest.mark.parametrize("case", sorted(SILENT_CASES))
-def test_a_silent_peer_is_an_error_after_the_timeout(case):
-    results = run_workers(_silent_peer, 4, case, pg_timeout=3.0, timeout=120, env={"LOCAL_WORLD_SIZE": "2"})
+def test_a_silent_peer_is_an_error_after_the_timeout(case, tmp_path):
+    results = run_workers(_silent_peer, 4, case, str(tmp_path), pg_timeout=3.0, timeout=120,
+                          env={"LOCAL_WORLD_SIZE": "2"})
     for rank, result in enumerate(results[:-1]):
         elapsed, message = result
         assert message != "no error", (rank, case)

@@ -174,10 +174,11 @@ def _drop_groups_held_as_defaults() -> None:
     → torch._dynamo → FSDP). A script that builds its optimizer after init_process_group
     thus leaves the job's group in ten default tuples, and dist.destroy_process_group()
     cannot free it: its gloo threads (or NCCL watchdog) run on into interpreter
-    finalization, where gloo's threads meet the teardown of the interpreter and of the
-    peer (the suspected cause of a rare "terminate called without an active exception",
-    SIGABRT, after a successful run). ``None`` is what ``group.WORLD`` was before init
-    and what torch reads as the default group.
+    finalization. A gloo thread that drops a finished op there needs the GIL for the op's
+    tensors, CPython ends it with pthread_exit, and the process aborts ("terminate called
+    without an active exception", SIGABRT, after a successful run: a core's backtrace is
+    in docs/exit_abort.md). ``None`` is what ``group.WORLD`` was before init and what
+    torch reads as the default group.
     """
     for name, module in list(sys.modules.items()):
         if module is None or not name.startswith("torch.distributed"):

@@ -36,7 +36,10 @@ from bagua_algos.runtime import comm
 GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
 
 
-def thread_names() -> list[str]:
+def gloo_threads() -> list[str]:
+    """The names of this process's gloo threads (after a collection, so that nothing
+    merely unreachable keeps a group alive)."""
+    gc.collect()
     names = []
     for tid in os.listdir("/proc/self/task"):
         try:
@@ -44,15 +47,13 @@ def thread_names() -> list[str]:
                 names.append(f.read().strip())
         except OSError:  # the thread ended meanwhile
             pass
-    return names
+    return sorted(n for n in names if n in GLOO_THREADS)
 
 
 def worker(rank: int, world: int, mode: str, tmp: str, out_path: str) -> None:
     def report(**fields) -> None:
-        gc.collect()
-        fields["gloo_threads"] = sorted(n for n in thread_names() if n in GLOO_THREADS)
         with open(out_path, "w") as f:
-            json.dump(fields, f)
+            json.dump({"gloo_threads": gloo_threads(), **fields}, f)
 
     if mode == "torch":
         atexit.register(report)  # registered before comm's hook, so it runs after it
@@ -69,8 +70,7 @@ def worker(rank: int, world: int, mode: str, tmp: str, out_path: str) -> None:
         torch.distributed.destroy_process_group()
         return
     comm.destroy_process_group()
-    gc.collect()
-    threads = sorted(n for n in thread_names() if n in GLOO_THREADS)
+    threads = gloo_threads()
 
     import torch.distributed.nn.functional as dist_fn
 

@@ -485,8 +485,9 @@ def main(argv=None) -> None:
     try:
         configs = parse_configs(args.configs)
     except ConfigError as err:
-        if os.environ.get("RANK", "0") == "0":  # under the launcher, say it once
-            print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+        # Every worker says it, as argparse does: the launcher stops the others as soon as
+        # one exits, so a message left to rank 0 alone was sometimes never printed.
+        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
     if args.spawn is not None:
         spawn(args.spawn, argv)

@@ -181,9 +181,10 @@ def _drop_groups_held_as_defaults() -> None:
     torch reads as the default group.
     """
     for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith("torch.distributed"):
+        namespace = getattr(module, "__dict__", None) if name.startswith("torch.distributed") else None
+        if not isinstance(namespace, dict):  # another package, or a placeholder in sys.modules
             continue
-        for fn in list(vars(module).values()):
+        for fn in list(namespace.values()):
             if type(fn) is not types.FunctionType:  # type(): no attribute access on the module's objects
                 continue
             if fn.__defaults__ and any(isinstance(d, dist.ProcessGroup) for d in fn.__defaults__):

@@ -32,6 +32,7 @@ import torch
 import bagua_algos  # noqa: F401 - patches nn.Module.with_bagua
 from bagua_algos.algorithms import gradient_allreduce
 from bagua_algos.runtime import comm
+from forked_job import run_forked_job
 
 GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
 
@@ -87,23 +88,8 @@ def worker(rank: int, world: int, mode: str, tmp: str, out_path: str) -> None:
 def main() -> None:
     world, mode = int(sys.argv[1]), sys.argv[2]
     tmp = tempfile.mkdtemp()
-    pids = []
-    for rank in range(world):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                worker(rank, world, mode, tmp, os.path.join(tmp, f"rank{rank}.json"))
-            except BaseException:  # noqa: BLE001 - reported through the exit code
-                import traceback
-
-                traceback.print_exc()
-                code = 3
-            sys.exit(code)  # a normal interpreter exit, not os._exit
-        pids.append(pid)
-    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+    codes = run_forked_job(
+        world, lambda rank: worker(rank, world, mode, tmp, os.path.join(tmp, f"rank{rank}.json")))
     if any(codes):
         print(json.dumps({"codes": codes}))
         sys.exit(1)

@@ -25,6 +25,7 @@ from datetime import timedelta
 import torch
 
 from bagua_algos.runtime import comm
+from forked_job import run_forked_job
 
 STEPS = 15
 
@@ -57,22 +58,8 @@ def main() -> None:
     gc.freeze()  # the workers' interpreter teardown then skips scanning what they inherit
     for launch in range(launches):
         store_path = os.path.join(tmp, f"store{launch}")
-        pids = []
-        for rank in range(world):
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                try:
-                    code = worker(rank, world, store_path, destroy=launch % 2 == 0)
-                except BaseException:  # noqa: BLE001 - reported through the exit code
-                    import traceback
-
-                    traceback.print_exc()
-                    code = 3
-                sys.exit(code)  # a normal interpreter exit, not os._exit
-            pids.append(pid)
-        codes.append([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids])
+        destroy = launch % 2 == 0
+        codes.append(run_forked_job(world, lambda rank: worker(rank, world, store_path, destroy)))
     shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps({"codes": codes}))
 

@@ -14,7 +14,9 @@ The rules:
   and never a float, even a whole one;
 - a real number is a finite ``numbers.Real`` (an integer too), never a bool;
 - a seed is an integer in [0, 2**63): what ``torch.Generator.manual_seed`` takes
-  without wrapping, with room left for the rank that algorithms add to it;
+  without wrapping; a worker's own stream of random choices (rounding, drops) is
+  seeded with ``rank_seed(seed, rank)``, the one rule for per-rank seeds, so a rank
+  draws the same numbers as a process and as a worker of the one-process engine;
 - a choice must equal one of the choices, a bool never standing for 0 or 1 (nor an
   int for True or False).
 """
@@ -32,6 +34,7 @@ __all__ = [
     "check_interval",
     "check_real",
     "check_seed",
+    "rank_seed",
     "check_choice",
     "is_int",
     "is_real",
@@ -100,6 +103,27 @@ def check_real(name: str, value, low: float = -math.inf, high: float = math.inf,
 def check_seed(value, name: str = "seed") -> int:
     """A seed: an integer in [0, 2**63), as an ``int``."""
     return check_int(name, value, 0, SEED_LIMIT, what="an int >= 0 and < 2**63")
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of rank ``rank``'s own random stream under the run's ``seed``: an int in
+    [0, 2**63), different for every (seed, rank) pair in practice (a SplitMix64 mix of
+    the two, so that seed s + 1 of rank 0 is not seed s of rank 1), and the same on
+    every machine and in every run. The one rule for per-rank seeds: every algorithm
+    that draws per worker takes ``torch.Generator().manual_seed(rank_seed(seed, rank))``.
+
+    Example::
+
+        >>> rank_seed(0, 0) != rank_seed(0, 1) != rank_seed(1, 0)
+        True
+    """
+    seed = check_seed(seed)
+    rank = check_int("rank", rank, 0, None, what="an int >= 0")
+    mask = 2**64 - 1
+    x = (seed + (rank + 1) * 0x9E3779B97F4A7C15) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return (x ^ (x >> 31)) % SEED_LIMIT
 
 
 def _same_kind(value, choice) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import numbers
 from collections.abc import Iterator
 from typing import Any
@@ -225,6 +226,17 @@ class DistributedHeterogeneousSampler(Sampler[int]):
         for r, share in enumerate(self._shares):
             counts[r] = np.bincount(self._codes[share], minlength=self.num_classes)
         return counts
+
+    def for_rank(self, rank: int) -> "DistributedHeterogeneousSampler":
+        """The sampler of the same partition for ``rank`` (at this sampler's epoch),
+        without drawing the partition again: what ``rank``'s own sampler, built with
+        the same arguments, yields. A one-process engine takes each worker's share so."""
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < self.num_replicas:
+            raise ValueError(f"rank must be an integer in [0, num_replicas) = [0, {self.num_replicas}), got {rank!r}")
+        other = copy.copy(self)
+        other.rank = int(rank)
+        other.num_samples = len(self._shares[other.rank])
+        return other
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch; with ``shuffle=True`` this reseeds the order of the share."""

@@ -17,6 +17,9 @@ ALLOWED = {
     "bagua_algos.compat": {"bagua_algos.algorithms", "bagua_algos.runtime"},
     "bagua_algos.ddp_hooks": {"bagua_algos.algorithms", "bagua_algos.compression", "bagua_algos.runtime"},
     "bagua_algos.launch": {"bagua_algos.runtime"},
+    # the one-process engine: the algorithms' stacked forms, on their pure math
+    "bagua_algos.engine": {"bagua_algos.algorithms", "bagua_algos.runtime", "bagua_algos.compression",
+                           "bagua_algos.arguments", "topologies", "samplers"},
     "bagua_algos.algorithms": {"bagua_algos.runtime", "bagua_algos.compression", "bagua_algos.arguments"},
     # runtime/launch.py puts the compatibility package on the workers' path.
     "bagua_algos.runtime": {"bagua_algos.compression", "bagua_algos.arguments", "topologies", "bagua_algos.compat"},

@@ -303,32 +303,42 @@ def _effective_or_proxy(tensor) -> torch.Tensor:
     return tensor if effective is None else effective
 
 
+def bucket_groups(sizes: List[int], kinds: list, bucket_size: int = DEFAULT_BUCKET_SIZE,
+                  first_bucket_size: int = FIRST_BUCKET_SIZE) -> List[List[int]]:
+    """Bagua's bucketing rule on plain numbers: the indices of tensors of ``sizes`` bytes
+    and ``kinds`` (e.g. (dtype, device)), cut into consecutive runs; a run closes once it
+    holds ``bucket_size`` bytes (the first at ``first_bucket_size``, so communication
+    starts early in backward, as in torch DDP); a change of kind starts a new one. The one
+    home of the rule: :func:`split_into_buckets` and the one-process engine's layout."""
+    bucket_size = check_int("bucket_size", bucket_size, 1, what="a positive number of bytes")
+    groups: List[List[int]] = []
+    size = 0
+    closed = True
+    kind = None
+    for index, (nbytes, t_kind) in enumerate(zip(sizes, kinds)):
+        if closed or t_kind != kind:
+            groups.append([index])
+            size = 0
+            kind = t_kind
+        else:
+            groups[-1].append(index)
+        size += nbytes
+        cap = min(first_bucket_size, bucket_size) if len(groups) == 1 else bucket_size
+        closed = size >= cap
+    return groups
+
+
 def split_into_buckets(
     tensors: List[BaguaTensor],
     bucket_size: int = DEFAULT_BUCKET_SIZE,
     first_bucket_size: int = FIRST_BUCKET_SIZE,
 ) -> List[List[BaguaTensor]]:
-    """Bagua's bucketing suggestion: consecutive runs of ``tensors``; a run closes once it
-    holds ``bucket_size`` bytes (the first at ``first_bucket_size``, so communication
-    starts early in backward, as in torch DDP); a dtype or device change starts a new one."""
-    bucket_size = check_int("bucket_size", bucket_size, 1, what="a positive number of bytes")
-    groups: list[list] = []
-    size = 0
-    closed = True
-    kind = None
-    for t in tensors:
-        effective = _effective_or_proxy(t)
-        t_kind = (effective.dtype, effective.device)
-        if closed or t_kind != kind:
-            groups.append([t])
-            size = 0
-            kind = t_kind
-        else:
-            groups[-1].append(t)
-        size += effective.numel() * effective.element_size()
-        cap = min(first_bucket_size, bucket_size) if len(groups) == 1 else bucket_size
-        closed = size >= cap
-    return groups
+    """Bagua's bucketing suggestion (:func:`bucket_groups`) for Bagua tensors, by the
+    bytes, dtype and device of what each one communicates."""
+    effective = [_effective_or_proxy(t) for t in tensors]
+    groups = bucket_groups([e.numel() * e.element_size() for e in effective],
+                           [(e.dtype, e.device) for e in effective], bucket_size, first_bucket_size)
+    return [[tensors[i] for i in group] for group in groups]
 
 
 def aligned_buckets(tensors: List[List[BaguaTensor]], do_flatten: bool, alignment: int) -> List[BaguaBucket]:

@@ -1,0 +1,54 @@
+"""Each algorithm's form on the stacked state, one file per algorithm, and the table
+from an ``Algorithm`` class to its form (:func:`register_form` adds one from outside)."""
+
+from __future__ import annotations
+
+from .base import StackedForm
+
+__all__ = ["StackedForm", "register_form", "form_for", "registered_forms"]
+
+_FORMS: dict = {}
+
+
+def register_form(algorithm_class, form_class) -> None:
+    """Run ``algorithm_class`` on the one-process engine with ``form_class`` (a
+    :class:`StackedForm` subclass). The hook for an algorithm outside the package,
+    e.g. the template ``examples/ef_sign_sgd.py``."""
+    if not (isinstance(form_class, type) and issubclass(form_class, StackedForm)):
+        raise TypeError(f"form_class must be a subclass of bagua_algos.engine.StackedForm, got {form_class!r}")
+    _FORMS[algorithm_class] = form_class
+
+
+def registered_forms() -> dict:
+    return dict(_FORMS)
+
+
+def form_for(algorithm):
+    """The form class of ``algorithm`` (an Algorithm instance), or a TypeError naming
+    what is missing."""
+    for cls in type(algorithm).__mro__:
+        if cls in _FORMS:
+            return _FORMS[cls]
+    known = sorted(c.__name__ for c in _FORMS)
+    raise TypeError(
+        f"the one-process engine has no form for {type(algorithm).__name__}: it runs {known}; an algorithm "
+        "outside the package runs on it once its vectorised form is registered with "
+        "bagua_algos.engine.register_form(AlgorithmClass, FormClass) (see docs/engine.md)"
+    )
+
+
+def _register_builtin() -> None:
+    from ...algorithms import (AllreduceAverageAlgorithm, DecentralizedAlgorithm, GradientAllReduceAlgorithm,
+                               RelayAlgorithm)
+    from .allreduce_average import AllreduceAverageForm
+    from .decentralized import DecentralizedForm
+    from .gradient_allreduce import GradientAllReduceForm
+    from .relay import RelayForm
+
+    register_form(GradientAllReduceAlgorithm, GradientAllReduceForm)
+    register_form(AllreduceAverageAlgorithm, AllreduceAverageForm)
+    register_form(DecentralizedAlgorithm, DecentralizedForm)
+    register_form(RelayAlgorithm, RelayForm)
+
+
+_register_builtin()

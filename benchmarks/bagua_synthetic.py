@@ -39,6 +39,9 @@ _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
+from benchmarks.common import WorkerArgumentParser  # noqa: E402
+from topologies import available_topologies  # noqa: E402
+
 PROG = "synthetic_benchmark --algorithm"
 LOCAL_MODELS = ("mlp", "cnn")  # besides every torchvision classification model
 # flag → the algorithm argument it sets
@@ -46,30 +49,40 @@ ALGORITHM_FLAGS = {"topology": "topology", "rank": "rank", "bits": "bits"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, allow_abbrev=False,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                     description="Bagua's synthetic throughput benchmark on bagua_algos.")
-    parser.add_argument("--model", default="resnet50", help="a torchvision model name, or mlp / cnn")
-    parser.add_argument("--batch-size", type=int, default=32, help="input batch size per worker")
-    parser.add_argument("--num-warmup-batches", type=int, default=10, help="warm-up batches, not timed")
-    parser.add_argument("--num-batches-per-iter", type=int, default=10, help="batches per timed iteration")
-    parser.add_argument("--num-iters", type=int, default=10, help="timed iterations")
-    parser.add_argument("--log-interval", type=int, default=1, help="print an Iter line every N iterations")
-    parser.add_argument("--algorithm", default="gradient_allreduce", help="a registered algorithm name")
-    parser.add_argument("--topology", default=None, help="topology of relay / decentralized")
-    parser.add_argument("--rank", type=int, default=None, help="PowerSGD's rank")
-    parser.add_argument("--bits", type=int, default=None, help="TernGrad's bits per value")
-    parser.add_argument("--image-size", type=int, default=224, help="height and width of the images")
-    parser.add_argument("--num-classes", type=int, default=1000, help="output classes")
-    parser.add_argument("--deterministic", action="store_true", help="seed everything by rank, deterministic kernels")
-    parser.add_argument("--no-cuda", action="store_true", help="train on the CPU even if a GPU is present")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker on CPU")
-    parser.add_argument("--spawn", type=int, default=None, metavar="N",
-                        help="start N local workers through bagua_algos' launcher and run this in them")
+    parser = WorkerArgumentParser(prog=PROG, allow_abbrev=False,
+                                  usage="synthetic_benchmark --algorithm NAME [flags below]",
+                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                  description="Bagua's synthetic throughput benchmark on bagua_algos.")
+    what = parser.add_argument_group("what is timed (Bagua's mode: --algorithm NAME)")
+    what.add_argument("--algorithm", default="gradient_allreduce", help="a registered algorithm name")
+    trees = available_topologies(trees_only=True)
+    others = [name for name in available_topologies() if name not in trees]
+    what.add_argument("--topology", default=None,
+                      help=f"topology of relay ({', '.join(trees)}) or decentralized (those or {', '.join(others)})")
+    what.add_argument("--rank", type=int, default=None, help="PowerSGD's rank")
+    what.add_argument("--bits", type=int, default=None, help="TernGrad's bits per value")
+    what.add_argument("--model", default="resnet50", help="a torchvision model name, or mlp / cnn")
+    what.add_argument("--batch-size", type=int, default=32, help="input batch size per worker")
+    what.add_argument("--image-size", type=int, default=224, help="height and width of the images")
+    what.add_argument("--num-classes", type=int, default=1000, help="output classes")
+    timing = parser.add_argument_group("timing (Bagua's mode)")
+    timing.add_argument("--num-warmup-batches", type=int, default=10, help="warm-up batches, not timed")
+    timing.add_argument("--num-batches-per-iter", type=int, default=10, help="batches per timed iteration")
+    timing.add_argument("--num-iters", type=int, default=10, help="timed iterations")
+    timing.add_argument("--log-interval", type=int, default=1, help="print an Iter line every N iterations")
+    workers = parser.add_argument_group("workers (Bagua's mode)")
+    workers.add_argument("--deterministic", action="store_true", help="seed everything by rank, deterministic kernels")
+    workers.add_argument("--no-cuda", action="store_true", help="train on the CPU even if a GPU is present")
+    workers.add_argument("--threads", type=int, default=1, help="torch threads per worker on CPU")
+    workers.add_argument("--spawn", type=int, default=None, metavar="N",
+                         help="start N local workers through bagua_algos' launcher and run this in them")
     return parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """Parse and check every flag, the algorithm's arguments included (its constructor
+    runs here, without a process group): in the parent with ``--spawn``, before any
+    worker starts; else in each worker, where an error is printed once per node."""
     parser = build_parser()
     args = parser.parse_args(argv)
     for flag in ("batch_size", "num_batches_per_iter", "num_iters", "log_interval", "image_size",
@@ -93,9 +106,17 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"argument --model: {args.model!r} is neither mlp, cnn nor a torchvision "
                          f"classification model (e.g. resnet18, resnet50, vgg16)")
     try:
-        algorithm_kwargs(args)
+        kwargs = algorithm_kwargs(args)
     except ValueError as error:
         parser.error(str(error))
+    if args.algorithm != "qadam":  # qadam takes none of the flags, and is built on its optimizer
+        cls = GlobalAlgorithmRegistry.get(args.algorithm)
+        for flag, name in ALGORITHM_FLAGS.items():  # one flag at a time: the error names it
+            if name in kwargs:
+                try:
+                    cls(**{name: kwargs[name]})
+                except (TypeError, ValueError) as error:
+                    parser.error(f"argument --{flag}: {error}")
     return args
 
 

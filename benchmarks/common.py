@@ -10,11 +10,14 @@ the keys ``lr``, ``warmup_steps``, ``eps`` and ``weight_decay`` go to its
 
 from __future__ import annotations
 
+import argparse
 import os
 import shlex
 import socket
 import sys
+import time
 from pathlib import Path
+from typing import NoReturn
 
 # keys of a config that are with_bagua's arguments, not the algorithm's
 WITH_BAGUA_KEYS = ("do_flatten", "bucket_size")
@@ -24,6 +27,57 @@ QADAM_OPTIMIZER_KEYS = ("lr", "warmup_steps", "eps", "weight_decay", "variant")
 
 class ConfigError(ValueError):
     """A bad --configs entry (unknown algorithm, bad key=value, bad arguments)."""
+
+
+# ------------------------------------------------------------------------ usage errors
+
+# How long a worker other than local rank 0 waits, after a usage error, for the launcher
+# to stop it (which it does once local rank 0 has printed the error and exited).
+USAGE_ERROR_GRACE_S = 60.0
+
+
+def _quiet_worker() -> bool:
+    """True in a worker of a launched job (torchrun's agent sets TORCHELASTIC_RUN_ID for
+    its workers) other than the first of its node."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("LOCAL_RANK", "0") != "0"
+
+
+def usage_error(prog: str, message: str, usage: str = "") -> NoReturn:
+    """Exit with status 2 after ``usage`` and ``PROG: error: MESSAGE`` on stderr, as
+    argparse does, but once per node in a launched job.
+
+    Every worker parses the same command line and reaches the same error. Printed by all
+    of them, the user reads it once per worker. Printed by local rank 0 alone, it could be
+    lost: the launcher stops a node's workers as soon as one of them exits, so another
+    worker that exited first could stop local rank 0 before it printed. So local rank 0
+    prints and exits, and the others wait to be stopped (``USAGE_ERROR_GRACE_S`` at most)
+    and exit without a word.
+    """
+    if _quiet_worker():
+        time.sleep(USAGE_ERROR_GRACE_S)
+        sys.exit(2)
+    sys.stderr.write(f"{usage}{prog}: error: {message}\n")
+    sys.stderr.flush()
+    sys.exit(2)
+
+
+class WorkerArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser for a script that every worker of a launched job runs: its
+    errors go through :func:`usage_error` (printed once per node, exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        usage_error(self.prog, message, self.format_usage())
+
+
+def cuda_shortage(workers: int | None) -> str | None:
+    """For ``--device cuda``: None when this node has a GPU for each of its workers, else
+    the reason, naming ``--device cpu``. ``workers``: the ``--spawn`` count in the parent;
+    None in a worker, which counts LOCAL_WORLD_SIZE (1 outside a launched job)."""
+    from bagua_algos.runtime.gpus import gpu_shortage
+
+    if workers is None:
+        return gpu_shortage("cuda", int(os.environ.get("LOCAL_WORLD_SIZE", "1")), "--nproc_per_node", "--device cpu")
+    return gpu_shortage("cuda", workers, "--spawn", "--device cpu")
 
 
 # ----------------------------------------------------------------------------- configs

@@ -8,8 +8,9 @@ or takes the ones torchrun / ``python -m bagua_algos.launch`` started. Both fits
 the same processes, one after the other, on the same data and seed (DDP first: its
 process group is then reused by the Bagua strategy). A step is timed from one
 ``on_train_batch_start`` to the next batch's (forward, backward, communication,
-optimizer step, data); the first ``--warmup`` steps are left out; the median is
-reported. Rank 0 prints the device, the command and the figures.
+optimizer step, data): ``--warmup`` untimed steps, then ``--steps`` timed ones, then one
+more batch whose start ends the last timed step; the median is reported. Rank 0 prints
+the device, the command and the figures.
 """
 
 from __future__ import annotations
@@ -49,45 +50,69 @@ class MLP(L.LightningModule):
 
 
 class StepTimer(L.Callback):
-    def __init__(self):
-        self.times, self._last = [], None
+    """Step k's time runs from its ``on_train_batch_start`` to the next batch's; the first
+    ``warmup`` steps are left out of ``times``. A fit of :func:`batches_to_run` batches
+    leaves exactly ``steps`` times."""
+
+    def __init__(self, warmup: int):
+        self.warmup = warmup
+        self.times, self._last, self._steps = [], None, 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         now = time.perf_counter()
         if self._last is not None:
-            self.times.append(now - self._last)
+            self._steps += 1
+            if self._steps > self.warmup:
+                self.times.append(now - self._last)
         self._last = now
 
     def on_train_end(self, trainer, pl_module):
         self._last = None
 
 
+def batches_to_run(steps: int, warmup: int) -> int:
+    """``warmup`` untimed steps, ``steps`` timed ones, and one batch whose start ends the last."""
+    return warmup + steps + 1
+
+
 def fit(strategy, args, data) -> list[float]:
     L.seed_everything(0, verbose=False)
     model = MLP(args.width, args.depth)
-    timer = StepTimer()
+    timer = StepTimer(args.warmup)
     trainer = L.Trainer(strategy=strategy, accelerator=args.accelerator, devices=args.devices, num_nodes=1,
-                        max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[timer])
+                        max_steps=batches_to_run(args.steps, args.warmup), logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=args.batch_size, shuffle=True))
-    return timer.times[args.warmup:], trainer
+    return timer.times, trainer
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--algorithm", default="gradient_allreduce",
+                   help="BaguaStrategy's algorithm: a registered name (default gradient_allreduce)")
+    p.add_argument("--accelerator", default="cpu", help="Lightning's accelerator: cpu (default) or gpu")
+    p.add_argument("--devices", type=int, default=2, help="processes, one per device (default 2)")
+    p.add_argument("--steps", type=int, default=40, help="timed steps per strategy (default 40)")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="untimed steps before the timed ones, per strategy (default 5)")
+    p.add_argument("--width", type=int, default=1024, help="width of the MLP's layers (default 1024)")
+    p.add_argument("--depth", type=int, default=3, help="hidden layers of the MLP (default 3)")
+    p.add_argument("--batch-size", type=int, default=64, help="samples per process per step (default 64)")
+    args = p.parse_args(argv)
+    for flag in ("devices", "steps", "width", "depth", "batch_size"):
+        if getattr(args, flag) < 1:
+            p.error(f"argument --{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
+    if args.warmup < 0:
+        p.error(f"argument --warmup: must be >= 0, got {args.warmup}")
+    return args
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--algorithm", default="gradient_allreduce", help="BaguaStrategy's algorithm name")
-    p.add_argument("--accelerator", default="cpu")
-    p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--depth", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=64)
-    args = p.parse_args()
+    args = parse_args()
     if args.accelerator == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))
     g = torch.Generator().manual_seed(0)
-    n = args.batch_size * args.devices * (args.steps + 1)
+    n = args.batch_size * args.devices * batches_to_run(args.steps, args.warmup)  # one epoch holds every batch
     x = torch.randn(n, args.width, generator=g)
     data = torch.utils.data.TensorDataset(x, torch.randint(0, 10, (n,), generator=g))
 

@@ -46,6 +46,7 @@ import platform
 import shlex
 import statistics
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -53,8 +54,9 @@ _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:  # run as a script: make the repository importable
     sys.path.insert(0, str(_REPO))
 
-from benchmarks.common import (DEVICES, BenchConfig, ConfigError, init_for_device, launch_self, parse_configs,  # noqa: E402
-                               without_flag, worker_device)
+from benchmarks.common import (DEVICES, BenchConfig, ConfigError, WorkerArgumentParser,  # noqa: E402
+                               cuda_shortage, init_for_device, launch_self, parse_configs, usage_error, without_flag,
+                               worker_device)
 
 PROG = "synthetic_benchmark"
 MODELS = ("mlp", "cnn", "cifar_resnet18", "resnet18", "resnet50", "vgg11")
@@ -96,39 +98,56 @@ def build_model(name: str, num_classes: int, mlp_hidden: int, mlp_layers: int):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    """The side-by-side mode's parser; its --help ends with Bagua's mode's flags (one
+    --help shows every flag of the script, each mode's in its own groups)."""
+    from benchmarks import bagua_synthetic
+
+    description = textwrap.fill(
+        "Synthetic-data training throughput of torch DDP and bagua_algos algorithms, in one of two modes: "
+        "side by side (the default: every --configs entry timed in turn, ratios against the first), or "
+        "Bagua's own benchmark script's interface (--algorithm NAME), whose flags and defaults are listed "
+        "after this mode's.", 88)
+    parser = WorkerArgumentParser(
         prog=PROG,
         allow_abbrev=False,
-        description="Synthetic-data training throughput of torch DDP and bagua_algos algorithms.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the epilog is a formatted help already
+        description=description,
+        epilog=bagua_synthetic.build_parser().format_help(),
     )
-    parser.add_argument("--model", choices=MODELS, default="mlp", help="model to train (default mlp)")
-    parser.add_argument("--batch-size", type=int, default=32, help="images per worker per step (default 32)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per config per round (default 20)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps before each timed block (default 5)")
-    parser.add_argument("--rounds", type=int, default=3,
+    what = parser.add_argument_group("what is timed (side-by-side mode)")
+    what.add_argument("--configs", default="ddp;gradient_allreduce",
+                      help="';'-separated configs: ddp, ALGO or ALGO:key=value,...; the first is the baseline")
+    what.add_argument("--model", choices=MODELS, default="mlp", help="model to train (default mlp)")
+    what.add_argument("--batch-size", type=int, default=32, help="images per worker per step (default 32)")
+    what.add_argument("--num-classes", type=int, default=10, help="output classes (default 10)")
+    what.add_argument("--mlp-hidden", type=int, default=1024,
+                      help="hidden width of the mlp (default 1024: about 5.2 M parameters)")
+    what.add_argument("--mlp-layers", type=int, default=3, help="hidden layers of the mlp (default 3)")
+    what.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (momentum 0.9; default 0.01)")
+    what.add_argument("--seed", type=int, default=42, help="seed of the model and the data (default 42)")
+    timing = parser.add_argument_group("timing")
+    timing.add_argument("--steps", type=int, default=20, help="timed steps per config per round (default 20)")
+    timing.add_argument("--warmup", type=int, default=5, help="untimed steps before each timed block (default 5)")
+    timing.add_argument("--rounds", type=int, default=3,
                         help="rounds; each times every config once (reversed order every other "
                         "round), the median is reported (default 3)")
-    parser.add_argument("--configs", default="ddp;gradient_allreduce",
-                        help="';'-separated configs: ddp, ALGO or ALGO:key=value,...; the first is the baseline")
-    parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (momentum 0.9; default 0.01)")
-    parser.add_argument("--num-classes", type=int, default=10, help="output classes (default 10)")
-    parser.add_argument("--mlp-hidden", type=int, default=1024,
-                        help="hidden width of the mlp (default 1024: about 5.2 M parameters)")
-    parser.add_argument("--mlp-layers", type=int, default=3, help="hidden layers of the mlp (default 3)")
-    parser.add_argument("--seed", type=int, default=42, help="seed of the model and the data (default 42)")
-    parser.add_argument("--device", choices=DEVICES, default="auto",
-                        help="where each worker trains: cuda (GPU LOCAL_RANK, NCCL), cpu (gloo), or auto (default: "
-                        "cuda when the node has a GPU per worker, else cpu)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads per worker (default 1: the workers share the cores)")
-    parser.add_argument("--out", default=None,
+    workers = parser.add_argument_group("workers")
+    workers.add_argument("--device", choices=DEVICES, default="auto",
+                         help="where each worker trains: cuda (GPU LOCAL_RANK, NCCL), cpu (gloo), or auto (default: "
+                         "cuda when the node has a GPU per worker, else cpu)")
+    workers.add_argument("--threads", type=int, default=1,
+                         help="torch threads per worker (default 1: the workers share the cores)")
+    workers.add_argument("--spawn", type=int, default=None, metavar="N",
+                         help="start N workers through bagua_algos' launcher and run this script in them")
+    output = parser.add_argument_group("output")
+    output.add_argument("--out", default=None,
                         help="write the results here: CSV if the name ends in .csv, else JSON")
-    parser.add_argument("--spawn", type=int, default=None, metavar="N",
-                        help="start N workers through bagua_algos' launcher and run this script in them")
     return parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """Parse and check the flags: in the parent with ``--spawn`` (before any worker
+    starts), else in each worker, where an error is printed once per node."""
     parser = build_parser()
     args = parser.parse_args(argv)
     for flag in ("batch_size", "steps", "rounds", "num_classes", "mlp_hidden", "mlp_layers", "threads"):
@@ -138,6 +157,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"argument --warmup: must be >= 0, got {args.warmup}")
     if args.spawn is not None and args.spawn < 1:
         parser.error(f"argument --spawn: must be >= 1, got {args.spawn}")
+    if args.device == "cuda":
+        shortage = cuda_shortage(args.spawn)
+        if shortage:
+            parser.error(f"argument --device: {shortage}")
     return args
 
 
@@ -485,10 +508,7 @@ def main(argv=None) -> None:
     try:
         configs = parse_configs(args.configs)
     except ConfigError as err:
-        # Every worker says it, as argparse does: the launcher stops the others as soon as
-        # one exits, so a message left to rank 0 alone was sometimes never printed.
-        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        usage_error(PROG, str(err))
     if args.spawn is not None:
         spawn(args.spawn, argv)
         return

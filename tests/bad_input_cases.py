@@ -153,6 +153,12 @@ add("dec_unknown_topology", 'DecentralizedAlgorithm(hierarchical=False, topology
     ValueError, "unknown topology 'torus'; valid names", lambda: DecentralizedAlgorithm(hierarchical=False, topology="torus"))
 add("dec_topology_and_hierarchical", 'DecentralizedAlgorithm(hierarchical=True, topology="ring")',
     ValueError, "hierarchical=False with a topology", lambda: DecentralizedAlgorithm(hierarchical=True, topology="ring"))
+add("relay_topology_typo", 'RelayAlgorithm(topology="double_binary_tre")',
+    ValueError, "unknown topology 'double_binary_tre'; valid names: ['chain', 'binary_tree', 'double_binary_tree']",
+    lambda: RelayAlgorithm(topology="double_binary_tre"))
+add("relay_topology_ring", 'RelayAlgorithm(topology="ring")',
+    ValueError, "topology 'ring' is not a tree; RelaySGD needs a tree: one of ['chain', 'binary_tree', 'double_binary_tree']",
+    lambda: RelayAlgorithm(topology="ring"))
 add("relay_mode", 'RelayAlgorithm(mode="mean")',
     ValueError, "mode must be one of ['count', 'world_size']", lambda: RelayAlgorithm(mode="mean"))
 add("relay_drop_nan", 'RelayAlgorithm(drop_rate=float("nan"))',
@@ -244,6 +250,15 @@ add("launch_nproc_not_int", "python -m bagua_algos.launch --nproc_per_node two t
     lambda: _launch("--nproc_per_node", "two", "train.py"))
 add("launch_node_rank", "python -m bagua_algos.launch --nnodes 2 --node_rank 2 train.py",
     SystemExit, "argument --node_rank: must be in [0, 2)", lambda: _launch("--nnodes", 2, "--node_rank", 2, "train.py"))
+add("launch_no_such_script", "python -m bagua_algos.launch --nproc_per_node 2 nosuch.py",
+    SystemExit, "[exit 2] python -m bagua_algos.launch: error: argument training_script: no file 'nosuch.py'",
+    lambda: _launch("--nproc_per_node", 2, "nosuch.py"))
+add("launch_torchrun_spelling", "python -m bagua_algos.launch --nproc-per-node 0 train.py (torchrun's spelling)",
+    SystemExit, "[exit 2] python -m bagua_algos.launch: error: argument --nproc_per_node: must be >= 1, got 0",
+    lambda: _launch("--nproc-per-node", 0, "train.py"))
+add("launch_nccl_more_workers_than_gpus", "python -m bagua_algos.launch --backend nccl --nproc_per_node 1000 <a script>",
+    SystemExit, "[exit 2] python -m bagua_algos.launch: error: argument --backend: nccl puts each worker on its own "
+    "GPU (device cuda:LOCAL_RANK), but this node ", lambda: _launch("--backend", "nccl", "--nproc_per_node", 1000, __file__))
 
 # ------------------------------------------------------------ process group, checkpoint
 

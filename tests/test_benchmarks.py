@@ -76,6 +76,92 @@ def test_unknown_algorithm_fails_in_the_workers():
     code, out, err = run(launcher(2, *TINY, "--configs", "ddp;no_such_algo"), timeout=TIMEOUT)
     _assert_unknown_name_message(code, err)
     assert "round 1/1" not in out
+    assert err.count("unknown algorithm 'no_such_algo'") == 1, err  # one worker of the node says it
+    assert "Traceback" not in err, err
+
+
+def test_a_usage_error_is_printed_by_the_first_worker_of_a_node_only(monkeypatch, capsys):
+    from benchmarks import common
+
+    waits = []
+    monkeypatch.setattr(common.time, "sleep", waits.append)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(SystemExit) as quiet:
+        common.usage_error("prog", "bad --x")
+    assert quiet.value.code == 2 and capsys.readouterr().err == ""
+    assert waits == [common.USAGE_ERROR_GRACE_S]  # it waits for the launcher to stop it
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(SystemExit) as first:
+        common.usage_error("prog", "bad --x", "usage: prog\n")
+    assert first.value.code == 2 and capsys.readouterr().err == "usage: prog\nprog: error: bad --x\n"
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.setenv("LOCAL_RANK", "3")  # not a launched worker: LOCAL_RANK alone proves nothing
+    with pytest.raises(SystemExit):
+        common.usage_error("prog", "bad --x")
+    assert capsys.readouterr().err == "prog: error: bad --x\n" and len(waits) == 1
+
+
+def _parse_error(parse, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        parse(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err.splitlines()[-1]
+
+
+def test_device_cuda_with_too_few_gpus_is_refused_before_the_workers_start(monkeypatch, capsys):
+    import torch
+
+    from benchmarks.synthetic_benchmark import parse_args
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _parse_error(parse_args, ["--device", "cuda"], capsys) == (
+        "synthetic_benchmark: error: argument --device: cuda puts each worker on its own GPU (device cuda:LOCAL_RANK), "
+        "but this node has no visible GPU; run on the CPU instead: --device cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert _parse_error(parse_args, ["--device", "cuda", "--spawn", "2"], capsys) == (
+        "synthetic_benchmark: error: argument --device: cuda puts each worker on its own GPU (device cuda:LOCAL_RANK), "
+        "but this node runs 2 workers and has 1 visible GPU; start at most 1 per node (--spawn 1), or run on the CPU: "
+        "--device cpu")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # in a worker of a launched job: its node's worker count
+    assert _parse_error(parse_args, ["--device", "cuda"], capsys).endswith(
+        "but this node runs 3 workers and has 1 visible GPU; start at most 1 per node (--nproc_per_node 1), "
+        "or run on the CPU: --device cpu")
+    assert parse_args(["--device", "cuda", "--spawn", "1"]).device == "cuda"
+    assert parse_args(["--device", "auto", "--spawn", "4"]).device == "auto"  # auto falls back to the CPU
+
+
+def test_device_cuda_without_a_gpu_from_the_command_line_is_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    code, out, err = run([SCRIPT, "--spawn", 2, "--device", "cuda", *TINY], timeout=60)
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1] == (
+        "synthetic_benchmark: error: argument --device: cuda puts each worker on its own GPU (device cuda:LOCAL_RANK), "
+        "but this node has no visible GPU; run on the CPU instead: --device cpu")
+    assert "Traceback" not in err
+
+
+def test_help_shows_the_flags_of_both_modes_grouped():
+    from benchmarks import bagua_synthetic, synthetic_benchmark
+
+    code, out, err = run([SCRIPT, "--help"], timeout=60)
+    assert code == 0, err
+    flags = [flag for parser in (synthetic_benchmark.build_parser(), bagua_synthetic.build_parser())
+             for action in parser._actions for flag in action.option_strings]
+    assert {"--algorithm", "--image-size", "--topology", "--configs", "--num-iters"} <= set(flags)
+    for flag in flags:
+        assert flag in out, flag
+    headings = ["what is timed (side-by-side mode):", "timing:", "workers:", "output:",
+                "what is timed (Bagua's mode: --algorithm NAME):", "timing (Bagua's mode):",
+                "workers (Bagua's mode):"]
+    positions = [out.index(f"\n{heading}\n") for heading in headings]
+    assert positions == sorted(positions), out
+    assert out.index("--configs CONFIGS") < positions[1] and out.index("--image-size") > positions[4]
 
 
 def test_config_parsing():
@@ -143,10 +229,31 @@ def test_bagua_interface_prints_bagua_lines_and_bytes():
     (["--algorithm", "gradient_allreduce", "--rank", "2"], "--rank: algorithm 'gradient_allreduce' takes no 'rank'"),
     (["--algorithm", "gradient_allreduce", "--model", "no_such_net"], "--model: 'no_such_net' is neither"),
     (["--algorithm", "gradient_allreduce", "--num-iters", "0"], "--num-iters: must be >= 1"),
+    (["--algorithm", "relay", "--topology", "rign"],
+     "argument --topology: unknown topology 'rign'; valid names: ['chain', 'binary_tree', 'double_binary_tree']"),
+    (["--algorithm", "powersgd", "--rank", "0"], "argument --rank: rank must be an int >= 1, got 0"),
+    (["--algorithm", "terngrad", "--bits", "3"], "argument --bits: bits must be one of [1, 2, 4, 8], got 3"),
 ])
 def test_bagua_interface_bad_flags(argv, match):
     code, out, err = run([SCRIPT, *argv], timeout=60)
     assert code == 2 and match in err, err
+    assert "Traceback" not in err
+
+
+def test_bagua_interface_checks_the_topology_in_the_parent():
+    code, out, err = run([SCRIPT, "--spawn", 2, "--algorithm", "relay", "--topology", "rign", *BAGUA_TINY], timeout=60)
+    assert code == 2 and out == "", out  # no worker started: nothing printed "Model: ..."
+    assert err.splitlines() == [
+        "usage: synthetic_benchmark --algorithm NAME [flags below]",
+        "synthetic_benchmark --algorithm: error: argument --topology: unknown topology 'rign'; valid names: "
+        "['chain', 'binary_tree', 'double_binary_tree']"]
+
+
+def test_bagua_interface_bad_topology_under_the_launcher_is_said_once():
+    code, out, err = run(launcher(2, "--algorithm", "relay", "--topology", "rign", *BAGUA_TINY), timeout=TIMEOUT)
+    assert code == 2 and "Model: " not in out
+    assert err.count("argument --topology: unknown topology 'rign'") == 1, err
+    assert "Traceback" not in err, err
 
 
 def test_exchange_order_benchmark_runs_tiny():

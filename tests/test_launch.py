@@ -95,6 +95,107 @@ def test_all_bagua_only_flags_are_accepted():
     assert launch.ignored_flag_notices(launch.parse_args(["t.py"])) == []
 
 
+def _usage_error(argv, capsys) -> str:
+    """The one error line of ``launch.main(argv)``, which must exit with status 2."""
+    with pytest.raises(SystemExit) as exc:
+        launch.main([str(a) for a in argv])
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("usage: "), lines
+    return lines[1]
+
+
+# Every flag in Bagua's spelling with a value, and the script: the spellings must agree.
+BAGUA_SPELLED = [
+    "--nnodes", "2", "--node_rank", "1", "--nproc_per_node", "3", "--master_addr", "10.1.2.3",
+    "--master_port", "1234", "--no_python", "--logdir", "logs", "--set_additional_flag",
+    "--max_restarts", "2", "--rdzv_timeout", "45", "--backend", "gloo", "--no_bagua_compat",
+    "--bagua_service_port", "29501", "--autotune_level", "0", "--autotune_log_file", "/tmp/x",
+    "--is_output_autotune_log", "--report_metrics", "--autotune_max_samples", "60",
+    "--autotune_sampling_confidence_time", "5.0", "--autotune_warmup_time", "30",
+    "--default_bucket_size", "1024", "--enable_bagua_net", "--host_list", "a,b", "--ssh_port", "22",
+    "train.py", "--script_flag", "1"]
+
+
+def test_every_flag_is_accepted_in_torchruns_spelling_too():
+    script = BAGUA_SPELLED.index("train.py")
+    given = {token for token in BAGUA_SPELLED[:script] if token.startswith("--")}
+    underscored = {flag for flag in launch.build_parser()._option_string_actions if "_" in flag}
+    assert {flag for flag in given if "_" in flag} == underscored  # every flag that has two spellings
+    dashed = [launch.torchrun_spelling(t) for t in BAGUA_SPELLED[:script]] + BAGUA_SPELLED[script:]
+    assert "--nproc-per-node" in dashed and "--script_flag" in dashed  # the script's own flags are left alone
+    assert vars(launch.parse_args(dashed)) == vars(launch.parse_args(BAGUA_SPELLED))
+    mixed = launch.parse_args(["--nproc-per-node=4", "--node_rank", "0", "--master-port", "2000", "t.py"])
+    assert (mixed.nproc_per_node, mixed.node_rank, mixed.master_port) == (4, 0, 2000)
+    assert launch.parse_args(["t.py"]).no_python is False  # a twin leaves the default alone
+
+
+def test_help_shows_baguas_spelling_and_says_both_are_accepted(capsys):
+    with pytest.raises(SystemExit):
+        launch.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--nproc_per_node NPROC_PER_NODE" in text and "--no_bagua_compat" in text
+    assert "Every flag is also accepted in torchrun's spelling, with dashes (--nproc-per-node for --nproc_per_node)." in text
+    assert text.count("--nproc-per-node") == 1 and "--node-rank" not in text and "--no-bagua-compat" not in text
+
+
+def test_an_error_names_the_spelling_that_was_typed(capsys):
+    line = _usage_error(["--nproc-per-node", "two", "t.py"], capsys)
+    assert line == "python -m bagua_algos.launch: error: argument --nproc-per-node: invalid int value: 'two'"
+
+
+def test_a_missing_script_is_refused_before_any_worker_starts(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert _usage_error(["--nproc_per_node", "2", "nosuch.py"], capsys) == (
+        "python -m bagua_algos.launch: error: argument training_script: no file 'nosuch.py' "
+        f"(relative to {tmp_path}); give the path of the script, or a module name with -m")
+    assert _usage_error(["--no_python", "no-such-program-x"], capsys) == (
+        "python -m bagua_algos.launch: error: argument training_script: 'no-such-program-x' is neither a program "
+        "on PATH nor an executable file (--no_python runs it directly)")
+
+
+def test_a_missing_script_from_the_command_line_is_one_line():
+    code, out, err = run_launcher(["--nproc_per_node", "2", "--master_port", free_port(), "nosuch.py"], timeout=60)
+    assert code == 2 and out == ""
+    assert err.splitlines() == [
+        "usage: python -m bagua_algos.launch [launcher flags] training_script [script args ...]",
+        f"python -m bagua_algos.launch: error: argument training_script: no file 'nosuch.py' (relative to {REPO}); "
+        "give the path of the script, or a module name with -m"]
+
+
+def test_nccl_with_too_few_gpus_is_refused_by_the_launcher(capsys, monkeypatch):
+    import torch
+
+    script = WORKERS / "allreduce_env.py"
+    monkeypatch.delenv("BAGUA_ALGOS_BACKEND", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _usage_error(["--backend", "nccl", "--nproc_per_node", "2", script], capsys) == (
+        "python -m bagua_algos.launch: error: argument --backend: nccl puts each worker on its own GPU "
+        "(device cuda:LOCAL_RANK), but this node has no visible GPU; run on the CPU instead: --backend gloo")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert _usage_error(["--backend", "nccl", "--nproc-per-node", "2", script], capsys) == (
+        "python -m bagua_algos.launch: error: argument --backend: nccl puts each worker on its own GPU "
+        "(device cuda:LOCAL_RANK), but this node runs 2 workers and has 1 visible GPU; start at most 1 per node "
+        "(--nproc_per_node 1), or run on the CPU: --backend gloo")
+    monkeypatch.setenv("BAGUA_ALGOS_BACKEND", "nccl")
+    assert _usage_error(["--nproc_per_node", "3", script], capsys) == (
+        "python -m bagua_algos.launch: error: BAGUA_ALGOS_BACKEND=nccl (set in this environment) puts each worker "
+        "on its own GPU (device cuda:LOCAL_RANK), but this node runs 3 workers and has 1 visible GPU; start at most "
+        "1 per node (--nproc_per_node 1), or run on the CPU: --backend gloo")
+    launch.check_before_start(launch.build_parser(), launch.parse_args(["--nproc_per_node", "1", str(script)]))
+    launch.check_before_start(launch.build_parser(), launch.parse_args(["--backend", "auto", "--nproc_per_node", "4",
+                                                                        str(script)]))  # auto: the script decides
+
+
+def test_two_workers_started_with_torchruns_spelling(tmp_path):
+    code, out, err = run_launcher(["--nproc-per-node", "2", "--master-port", free_port(),
+                                   WORKERS / "allreduce_env.py", tmp_path])
+    assert code == 0, f"{out}\n{err}"
+    records = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(2)]
+    assert [rec["WORLD_SIZE"] for rec in records] == ["2", "2"]
+
+
 # --------------------------------------------------------------------------
 # real jobs
 # --------------------------------------------------------------------------

@@ -295,3 +295,33 @@ def test_lightning_bagua_calls(lightning_runs):
         assert all(k.startswith("module.") for k in run["keys"]), run["keys"]
     for name in ("gradient_allreduce", "bytegrad", "qadam", "async"):
         torch.testing.assert_close(c0["runs"][name]["params"], c1["runs"][name]["params"], rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------- benchmarks/lightning_benchmark.py
+
+
+def test_lightning_benchmark_times_exactly_steps_after_warmup():
+    from benchmarks.lightning_benchmark import StepTimer, batches_to_run
+
+    timer = StepTimer(warmup=2)
+    for batch in range(batches_to_run(steps=5, warmup=2)):
+        timer.on_train_batch_start(None, None, None, batch)
+    assert len(timer.times) == 5 and all(t >= 0 for t in timer.times)
+
+
+def test_lightning_benchmark_run_reports_the_steps_it_was_given():
+    from subprocesses import REPO, run_python
+
+    script = REPO / "benchmarks" / "lightning_benchmark.py"
+    code, out, err = run_python([script, "--devices", 1, "--steps", 3, "--warmup", 2, "--width", 8, "--depth", 1,
+                                 "--batch-size", 4], timeout=180)
+    assert code == 0, err[-3000:]
+    assert "batch 4 per process, 3 timed steps after 2" in out, out
+    assert "ratio bagua/ddp step time: " in out
+    code, out, err = run_python([script, "--help"], timeout=60)
+    assert code == 0
+    help_text = " ".join(out.split())
+    assert "--steps STEPS timed steps per strategy (default 40)" in help_text
+    assert "--warmup WARMUP untimed steps before the timed ones, per strategy (default 5)" in help_text
+    code, out, err = run_python([script, "--steps", 0], timeout=60)
+    assert code == 2 and "argument --steps: must be >= 1, got 0" in err

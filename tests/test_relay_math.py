@@ -276,6 +276,21 @@ def test_a_star_built_by_the_user_is_an_accepted_tree():
         resolve_topology(StarPlusEdge(6), 6, require_tree=True)
 
 
+def test_relay_refuses_a_topology_that_is_not_a_tree_when_constructed():
+    trees = "one of ['chain', 'binary_tree', 'double_binary_tree'], or a Topology whose is_tree() is True"
+    with pytest.raises(ValueError) as typo:
+        RelayAlgorithm(topology="double_binary_tre")
+    assert str(typo.value) == "unknown topology 'double_binary_tre'; valid names: ['chain', 'binary_tree', 'double_binary_tree']"
+    with pytest.raises(ValueError) as ring:
+        RelayAlgorithm(topology="ring")  # a name of a gossip topology: a tree on two ranks at most
+    assert str(ring.value) == f"topology 'ring' is not a tree; RelaySGD needs a tree: {trees}"
+    with pytest.raises(ValueError) as own:
+        RelayAlgorithm(topology=StarPlusEdge(6))
+    assert str(own.value) == f"topology StarPlusEdge(world_size=6) is not a tree; RelaySGD needs a tree: {trees}"
+    with pytest.raises(TypeError, match=r"topology must be a Topology or one of \['chain', 'binary_tree', 'double_binary_tree'\]"):
+        RelayAlgorithm(topology=3)
+
+
 # ------------------------------------------------- single-process RelaySum on a tree
 
 

@@ -50,6 +50,15 @@ def test_available_topologies_lists_all_names():
     assert available_topologies() == NAMES
 
 
+def test_the_tree_names_are_trees_on_every_size_and_the_others_are_not():
+    trees = available_topologies(trees_only=True)
+    assert trees == ["chain", "binary_tree", "double_binary_tree"]
+    for name in trees:
+        assert all(get_topology(name, n).is_tree() for n in SIZES), name
+    for name in set(NAMES) - set(trees):
+        assert not get_topology(name, 5).is_tree(), name
+
+
 @pytest.mark.parametrize("name,cls", list(zip(NAMES, CLASSES)))
 def test_get_topology_builds_the_named_class(name, cls):
     topo = get_topology(name, 5)

@@ -3,21 +3,17 @@
 from .gossip import ExponentialTopology, FullyConnectedTopology, RingTopology
 from .trees import BinaryTreeTopology, ChainTopology, DoubleBinaryTreeTopology
 
-_REGISTRY = {
-    cls.name: cls
-    for cls in (
-        ChainTopology,
-        BinaryTreeTopology,
-        DoubleBinaryTreeTopology,
-        RingTopology,
-        FullyConnectedTopology,
-        ExponentialTopology,
-    )
-}
+# Families that are trees on every number of ranks (a double binary tree: each of its
+# two trees), the ones a tree algorithm such as RelaySGD accepts by name.
+_TREES = (ChainTopology, BinaryTreeTopology, DoubleBinaryTreeTopology)
+_REGISTRY = {cls.name: cls for cls in (*_TREES, RingTopology, FullyConnectedTopology, ExponentialTopology)}
 
 
-def available_topologies():
-    """Names accepted by ``get_topology``, in registration order."""
+def available_topologies(trees_only=False):
+    """Names accepted by ``get_topology``, in registration order; with ``trees_only``,
+    only those that build a tree (``is_tree()``) on every number of ranks."""
+    if trees_only:
+        return [cls.name for cls in _TREES]
     return list(_REGISTRY)
 
 

@@ -286,7 +286,7 @@ class RelayAlgorithm(Algorithm):
     """
 
     def __init__(self, topology="double_binary_tree", mode: str = "count", drop_rate: float = 0.0, seed: int = 0):
-        check_topology_arg(topology)
+        check_topology_arg(topology, require_tree=True)
         self.topology = topology
         self.mode = check_choice("mode", mode, RELAY_MODES)
         self.drop_rate = check_real("drop_rate", drop_rate, 0.0, 1.0, high_open=True,

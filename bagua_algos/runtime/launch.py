@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 from typing import List, Optional, Sequence
@@ -87,54 +88,74 @@ def _dest(flag: str) -> str:
     return flag.lstrip("-")
 
 
+def torchrun_spelling(flag: str) -> str:
+    """``--nproc_per_node`` -> ``--nproc-per-node``: torchrun's spelling of a flag."""
+    return "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
+
+
+def _flag(container, *names: str, **kwargs) -> None:
+    """``container.add_argument(*names, **kwargs)``, and for each name written with
+    underscores (Bagua's spelling, the one --help shows and errors name) a twin in
+    torchrun's spelling with the same destination, left out of the help. An error in
+    a value given to the twin names the twin, the spelling the user typed."""
+    action = container.add_argument(*names, **kwargs)
+    twin_kwargs = {k: v for k, v in kwargs.items() if k not in ("help", "default", "dest")}
+    for name in names:
+        if name.startswith("--") and "_" in name:
+            # default=SUPPRESS: the twin writes the destination only when it is given
+            container.add_argument(torchrun_spelling(name), dest=action.dest, default=argparse.SUPPRESS,
+                                   help=argparse.SUPPRESS, **twin_kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"python -m {PROG}",
         usage="%(prog)s [launcher flags] training_script [script args ...]",
         description=(
             "Launch a data-parallel job with bagua.distributed.launch's command "
-            "line; the workers are run by torch.distributed.run's elastic agent."
+            "line; the workers are run by torch.distributed.run's elastic agent. "
+            "Every flag is also accepted in torchrun's spelling, with dashes "
+            "(--nproc-per-node for --nproc_per_node)."
         ),
     )
-    parser.add_argument("--nnodes", type=int, default=1,
-                        help="number of nodes (default 1)")
-    parser.add_argument("--node_rank", type=int, default=0,
-                        help="rank of this node, in [0, nnodes) (default 0)")
-    parser.add_argument("--nproc_per_node", type=int, default=1,
-                        help="worker processes on this node (default 1)")
-    parser.add_argument("--master_addr", type=str, default="127.0.0.1",
-                        help="address of node 0 (default 127.0.0.1)")
-    parser.add_argument("--master_port", type=int, default=29500,
-                        help="free port on node 0 (default 29500)")
-    parser.add_argument("-m", "--module", action="store_true",
-                        help="run the training script as a module, like 'python -m'")
-    parser.add_argument("--no_python", action="store_true",
-                        help="execute the training script directly, without 'python'")
-    parser.add_argument("--logdir", type=str, default=None,
-                        help="directory for per-worker stdout/stderr files")
-    parser.add_argument("--set_additional_flag", action="store_true",
-                        help="pass --local_rank=<local rank> to the training script")
-    parser.add_argument("--max_restarts", type=int, default=0,
-                        help="restarts of the worker group before failing (default 0)")
-    parser.add_argument("--rdzv_timeout", type=int, default=None,
-                        help="seconds an agent waits for the other nodes to join "
-                        "(torchrun's static rendezvous default: 600)")
-    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default=None,
-                        help="backend of the workers' init_process_group() when the script names none "
-                        "(sets BAGUA_ALGOS_BACKEND): nccl puts each worker on GPU LOCAL_RANK (CUDA tensors "
-                        "over NCCL, CPU tensors over gloo) and needs a GPU per worker; gloo runs on CPU "
-                        "(CUDA tensors staged through host memory); auto (the default) is nccl when CUDA "
-                        "is available, else gloo")
-    parser.add_argument("--no_bagua_compat", action="store_true",
-                        help="do not put the compatibility package 'bagua' on the "
-                        "workers' PYTHONPATH (by default it is put there when no real "
-                        "Bagua is installed, so that 'import bagua.torch_api' works)")
+    _flag(parser, "--nnodes", type=int, default=1,
+          help="number of nodes (default 1)")
+    _flag(parser, "--node_rank", type=int, default=0,
+          help="rank of this node, in [0, nnodes) (default 0)")
+    _flag(parser, "--nproc_per_node", type=int, default=1,
+          help="worker processes on this node (default 1)")
+    _flag(parser, "--master_addr", type=str, default="127.0.0.1",
+          help="address of node 0 (default 127.0.0.1)")
+    _flag(parser, "--master_port", type=int, default=29500,
+          help="free port on node 0 (default 29500)")
+    _flag(parser, "-m", "--module", action="store_true",
+          help="run the training script as a module, like 'python -m'")
+    _flag(parser, "--no_python", action="store_true",
+          help="execute the training script directly, without 'python'")
+    _flag(parser, "--logdir", type=str, default=None,
+          help="directory for per-worker stdout/stderr files")
+    _flag(parser, "--set_additional_flag", action="store_true",
+          help="pass --local_rank=<local rank> to the training script")
+    _flag(parser, "--max_restarts", type=int, default=0,
+          help="restarts of the worker group before failing (default 0)")
+    _flag(parser, "--rdzv_timeout", type=int, default=None,
+          help="seconds an agent waits for the other nodes to join "
+          "(torchrun's static rendezvous default: 600)")
+    _flag(parser, "--backend", choices=("auto", "gloo", "nccl"), default=None,
+          help="backend of the workers' init_process_group() when the script names none "
+          "(sets BAGUA_ALGOS_BACKEND): nccl puts each worker on GPU LOCAL_RANK (CUDA tensors "
+          "over NCCL, CPU tensors over gloo) and needs a GPU per worker; gloo runs on CPU "
+          "(CUDA tensors staged through host memory); auto (the default) is nccl when CUDA "
+          "is available, else gloo")
+    _flag(parser, "--no_bagua_compat", action="store_true",
+          help="do not put the compatibility package 'bagua' on the "
+          "workers' PYTHONPATH (by default it is put there when no real "
+          "Bagua is installed, so that 'import bagua.torch_api' works)")
 
     bagua = parser.add_argument_group(
         "Bagua-only flags (accepted for compatibility and ignored)")
     for flag, kwargs in BAGUA_ONLY_FLAGS.items():
-        bagua.add_argument(flag, dest=_dest(flag), default=None,
-                           help="ignored", **kwargs)
+        _flag(bagua, flag, dest=_dest(flag), default=None, help="ignored", **kwargs)
 
     parser.add_argument("training_script", type=str, nargs="?", default=None,
                         help="the training script (or module with -m, or program "
@@ -170,12 +191,41 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error(f"argument --logdir: {args.logdir!r} exists and is not a directory")
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.ArgumentParser] = None
+               ) -> argparse.Namespace:
     """Parse and validate; exits with status 2 and a usage message on bad flags."""
-    parser = build_parser()
+    parser = parser or build_parser()
     args = parser.parse_args(argv)
     _validate(parser, args)
     return args
+
+
+def check_before_start(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What every worker would fail on, checked once here before any starts (a usage
+    error, exit status 2): the training script exists, and a job that puts its workers
+    on GPUs (``--backend nccl``, or ``$BAGUA_ALGOS_BACKEND=nccl`` inherited) has a GPU
+    for each worker of this node. Under ``auto`` the script may still choose gloo, so
+    only the workers can tell."""
+    script = args.training_script
+    if args.no_python:
+        if shutil.which(script) is None:
+            parser.error(f"argument training_script: {script!r} is neither a program on PATH nor an "
+                         "executable file (--no_python runs it directly)")
+    elif not args.module and not os.path.isfile(script):
+        parser.error(f"argument training_script: no file {script!r} (relative to {os.getcwd()}); "
+                     "give the path of the script, or a module name with -m")
+    from bagua_algos.runtime.comm import BACKEND_ENV
+    from bagua_algos.runtime.gpus import gpu_shortage
+
+    if args.backend is not None:
+        backend, asked, where = args.backend, args.backend, "argument --backend: "
+    else:
+        backend, where = os.environ.get(BACKEND_ENV), ""
+        asked = f"{BACKEND_ENV}={backend} (set in this environment)"
+    if backend == "nccl":
+        shortage = gpu_shortage(asked, args.nproc_per_node, "--nproc_per_node", "--backend gloo")
+        if shortage:
+            parser.error(where + shortage)
 
 
 def ignored_flag_notices(args: argparse.Namespace) -> List[str]:
@@ -293,11 +343,12 @@ def _failure_summary(err) -> tuple[str, int]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    args = parse_args(argv)
+    parser = build_parser()
+    args = parse_args(argv, parser)
+    check_before_start(parser, args)
     for line in ignored_flag_notices(args):
         print(line, file=sys.stderr, flush=True)
 
-    # torch is imported only now so that flag errors come back quickly.
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -9,15 +9,27 @@ from __future__ import annotations
 from topologies import Topology, available_topologies, get_topology
 
 
-def check_topology_arg(topology) -> None:
-    """Refuse what can never be a topology (checked in the Algorithm's constructor)."""
+def check_topology_arg(topology, require_tree: bool = False) -> None:
+    """Refuse what can never be a topology (checked in the Algorithm's constructor).
+
+    With ``require_tree`` (RelaySGD) only the names of tree families are valid, and a
+    Topology instance must be a tree already: its size is fixed, so ``is_tree()`` can be
+    asked now rather than when the model is wrapped."""
+    names = available_topologies(trees_only=require_tree)
     if isinstance(topology, str):
-        if topology not in available_topologies():
-            raise ValueError(f"unknown topology {topology!r}; valid names: {available_topologies()}")
+        if topology not in names and topology in available_topologies():
+            raise ValueError(_not_a_tree(topology))
+        if topology not in names:
+            raise ValueError(f"unknown topology {topology!r}; valid names: {names}")
     elif not isinstance(topology, Topology):
-        raise TypeError(
-            f"topology must be a Topology or one of {available_topologies()}, got {type(topology).__name__}"
-        )
+        raise TypeError(f"topology must be a Topology or one of {names}, got {type(topology).__name__}")
+    elif require_tree and not topology.is_tree():
+        raise ValueError(_not_a_tree(topology))
+
+
+def _not_a_tree(topology) -> str:
+    return (f"topology {topology!r} is not a tree; RelaySGD needs a tree: one of "
+            f"{available_topologies(trees_only=True)}, or a Topology whose is_tree() is True")
 
 
 def resolve_topology(topology, world_size: int, require_tree: bool = False,
@@ -25,20 +37,17 @@ def resolve_topology(topology, world_size: int, require_tree: bool = False,
     """``topology`` (a name or a Topology) over ``world_size`` ranks.
 
     A Topology instance must have exactly ``world_size`` ranks: the size of ``members``
-    (the process group, or the node leaders for a gossip between nodes).
+    (the process group, or the node leaders for a gossip between nodes). With
+    ``require_tree`` it is a tree: :func:`check_topology_arg` admits only tree names and
+    tree instances.
     """
-    check_topology_arg(topology)
+    check_topology_arg(topology, require_tree)
     if isinstance(topology, str):
         topology = get_topology(topology, world_size)
     elif topology.world_size != world_size:
         raise ValueError(
             f"topology {topology!r} has {topology.world_size} ranks but {members} has "
             f"{world_size}; build it with world_size={world_size}"
-        )
-    if require_tree and not topology.is_tree():
-        raise ValueError(
-            f"topology {topology!r} is not a tree; RelaySGD needs a tree "
-            "(chain, binary_tree or double_binary_tree)"
         )
     if not topology.is_connected():
         raise ValueError(

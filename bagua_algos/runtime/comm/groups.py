@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ...arguments import is_int
+from ..gpus import gpu_shortage
 from .env import _env_int, _require_init, get_local_size, get_rank, get_world_size, is_initialized
 from .helper_thread import _stop_helper
 
@@ -61,15 +62,11 @@ def choose_backend(backend: str | None = None, local_world_size: int | None = No
         raise ValueError(f"{where} must be one of {', '.join(map(repr, BACKENDS))} (or {_MIXED!r}), got {backend!r}")
     if backend == "gloo" or (backend == "auto" and not torch.cuda.is_available()):
         return "gloo"
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     workers = local_world_size if local_world_size and local_world_size > 0 else _env_int("LOCAL_WORLD_SIZE", 1)
-    if workers > gpus:
-        raise RuntimeError(
-            f"{where}={backend!r} puts each worker on its own GPU (NCCL, device cuda:LOCAL_RANK), but this node "
-            f"runs {workers} worker(s) and has {gpus} visible GPU(s). Start at most {gpus} worker(s) per node "
-            f"(--nproc_per_node {max(gpus, 1)}), or run on CPU over gloo: init_process_group(backend='gloo'), "
-            f"{BACKEND_ENV}=gloo, or the launcher's --backend gloo"
-        )
+    shortage = gpu_shortage(f"{where}={backend!r}", workers, "--nproc_per_node",
+                            f"init_process_group(backend='gloo'), {BACKEND_ENV}=gloo, or the launcher's --backend gloo")
+    if shortage:
+        raise RuntimeError(shortage)
     return _MIXED
 
 

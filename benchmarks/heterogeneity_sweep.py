@@ -35,6 +35,7 @@ if str(_REPO) not in sys.path:  # run as a script: make the repository importabl
 
 from benchmarks.common import ConfigError, parse_configs, launch_self, without_flag  # noqa: E402
 from benchmarks.sweep_data import DATASETS, DEFAULT_MODEL, MODELS  # noqa: E402
+from benchmarks.sweep_engine import Diverged  # noqa: E402
 
 COMMAND_ENV = "HETEROGENEITY_SWEEP_COMMAND"
 ENGINES = ("auto", "sim", "processes")
@@ -218,10 +219,6 @@ def config_label(config) -> str:
         clip = kwargs.get("clip")
         return f"terngrad ({kwargs.get('bits', 2)} bits{f', clip {clip}' if clip is not None else ''})"
     return config.name
-
-
-class Diverged(RuntimeError):
-    """A worker's training loss is not finite: the run stops, the sweep goes on."""
 
 
 def accuracy(model, x, y, batch: int = 1000) -> float:

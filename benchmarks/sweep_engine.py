@@ -30,6 +30,10 @@ PARAM_COPIES = 8
 ACTIVATION_FACTOR = 4
 
 
+class Diverged(RuntimeError):
+    """A worker's training loss is not finite: the run stops, the sweep goes on."""
+
+
 def stacked_config_error(config) -> str | None:
     """Why ``config`` cannot run on the engine (None when it can)."""
     try:
@@ -108,8 +112,6 @@ def train_stacked(args, data, config, alpha: float, lr: float, make_model) -> di
         losses = (total / max(steps, 1)).cpu()  # the epoch's one read of the losses
         bad = [i for i, v in enumerate(losses.tolist()) if not np.isfinite(v)]
         if bad:
-            from benchmarks.heterogeneity_sweep import Diverged
-
             raise Diverged(f"worker {bad[0]}'s training loss is {losses[bad[0]].item()} in epoch {epoch} "
                            f"({len(bad)} of {args.workers} workers not finite)")
         predictions = engine.model.predict(data.test_x)

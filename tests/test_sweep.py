@@ -52,12 +52,51 @@ def test_miniature_sweep_writes_table_json_and_plots(tmp_path):
         (["--dataset", "cifar10"], "--data-dir"),
         (["--alphas", "0.1,-1"], "positive"),
         (["--workers", "0"], "positive integer"),
+        (["--dataset", "cifar10", "--data-dir", "/nonexistent/cifar"], "--data-dir /nonexistent/cifar is not a directory"),
+        (["--model", "vgg11"], "argument --model: --model vgg11 takes 3x32x32 colour images"),
+        (["--engine", "sim", "--configs", "async"], "argument --engine: sim cannot run config 'async'"),
+        (["--engine", "sim", "--configs", "allreduce_average", "--workers", "100000"], "argument --workers: 100000 workers of mlp with --engine sim need about"),
+        (["--engine", "processes", "--workers", "100000"], "use fewer workers or --engine sim"),
     ],
 )
 def test_bad_arguments_fail_fast_with_a_clear_message(args, message):
     result = run_sweep(*args, timeout=60)
     assert result.returncode == 2
     assert message in result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.count("error:") == 1
+
+
+def test_both_engines_give_the_same_table(tmp_path):
+    """The sweep on the stacked engine and as processes: the same accuracies per worker."""
+    reports = {}
+    for engine in ("sim", "processes"):
+        result = run_sweep(
+            "--workers", "4", "--engine", engine, "--configs", "decentralized:hierarchical=false,topology=ring",
+            "--alphas", "0.1", "--epochs", "2", "--max-steps-per-epoch", "5", "--out-dir", str(tmp_path / engine),
+            "--no-progress",
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"4 workers on the {engine} engine" in result.stderr
+        reports[engine] = json.loads((tmp_path / engine / "results.json").read_text())
+    sim, processes = (reports[e]["results"][0] for e in ("sim", "processes"))
+    assert reports["sim"]["engine"] == "sim" and reports["processes"]["engine"] == "processes"
+    # float32 sums in another order may flip at most a prediction or two of the 360 test images
+    for a, b in zip(sim["worker_accuracies"], processes["worker_accuracies"]):
+        assert abs(a - b) <= 2 / 360
+    assert sim["class_histogram"] == processes["class_histogram"]
+    assert sim["curve_train_loss"] == pytest.approx(processes["curve_train_loss"], rel=1e-4)
+
+
+def test_a_nan_loss_stops_its_run_names_the_worker_and_keeps_the_others(tmp_path):
+    result = run_sweep(
+        "--workers", "4", "--configs", "allreduce_average", "--lr-grid", "0.05,1e30", "--alphas", "0.1",
+        "--epochs", "2", "--max-steps-per-epoch", "3", "--out-dir", str(tmp_path), "--no-progress",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "stopped 'allreduce_average' alpha=0.1 lr=1e+30: worker 0's training loss is nan" in result.stderr
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert [r["lr"] for r in report["all_runs"]] == [0.05]
+    assert [r["lr"] for r in report["failed_runs"]] == [1e30]
 
 
 def test_same_seed_gives_the_same_sweep(tmp_path):

@@ -40,15 +40,21 @@ def form_for(algorithm):
 def _register_builtin() -> None:
     from ...algorithms import (AllreduceAverageAlgorithm, DecentralizedAlgorithm, GradientAllReduceAlgorithm,
                                RelayAlgorithm)
+    from ...algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
+    from ...algorithms.q_adam import QAdamAlgorithm
     from .allreduce_average import AllreduceAverageForm
     from .decentralized import DecentralizedForm
     from .gradient_allreduce import GradientAllReduceForm
+    from .low_precision_decentralized import LowPrecisionDecentralizedForm
+    from .qadam import QAdamForm
     from .relay import RelayForm
 
     register_form(GradientAllReduceAlgorithm, GradientAllReduceForm)
     register_form(AllreduceAverageAlgorithm, AllreduceAverageForm)
     register_form(DecentralizedAlgorithm, DecentralizedForm)
     register_form(RelayAlgorithm, RelayForm)
+    register_form(LowPrecisionDecentralizedAlgorithm, LowPrecisionDecentralizedForm)
+    register_form(QAdamAlgorithm, QAdamForm)
 
 
 _register_builtin()

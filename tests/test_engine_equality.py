@@ -113,3 +113,68 @@ def _assert_equal_up_to_rare_levels(got, expected, atol, level):
     worst = difference.max().item()
     assert worst <= LEVEL_RULE["levels"] * level, (
         f"largest difference {worst:.3g} is beyond {LEVEL_RULE['levels']} levels of {level:.3g}")
+
+
+def _qadam_engine(optimizer_factory=None, net=None, params=None, **optimizer_kwargs):
+    """An engine of 4 QAdam workers (``params``: the QAdamOptimizer's, by default all of ``net``'s)."""
+    from bagua_algos.algorithms import QAdamAlgorithm, QAdamOptimizer
+    from bagua_algos.engine import Engine
+
+    net = net or engine_cases.model()
+    q_adam = QAdamOptimizer(params or net.parameters(), **{**engine_cases.QADAM_OPTIMIZER, **optimizer_kwargs})
+    return Engine(net, 4, QAdamAlgorithm(q_adam), optimizer_factory), net, q_adam
+
+
+def test_qadam_form_takes_its_optimizer_from_the_algorithm_and_refuses_what_it_cannot_stack():
+    engine, _, q_adam = _qadam_engine(weight_decay=0.0, variant="frozen")
+    assert type(engine.optimizer) is type(q_adam) and engine.optimizer.variant == "frozen"
+    assert engine.optimizer.warmup_steps == q_adam.warmup_steps
+    assert engine.optimizer.param_groups[0]["params"] == [engine.model.params]
+    with pytest.raises(ValueError, match="optimizer: QAdam's optimizer is the QAdamOptimizer inside"):
+        _qadam_engine(engine_cases.optimizer)
+    net = engine_cases.model()
+    groups = [{"params": [p], "lr": 0.01 * (i + 1)} for i, p in enumerate(net.parameters())]
+    with pytest.raises(ValueError, match="parameter groups with different settings"):
+        _qadam_engine(net=net, params=groups)
+    with pytest.raises(ValueError, match=r"parameters \['4.weight', '4.bias'\] are not in the QAdamOptimizer"):
+        _qadam_engine(net=net, params=list(net.parameters())[:4])
+    from bagua_algos.algorithms import QAdamAlgorithm
+    from bagua_algos.engine import Engine
+
+    first_net = engine.model.module
+    first_net(torch.randn(2, 12)).sum().backward()
+    q_adam.step()  # the first engine's QAdamOptimizer has stepped now
+    with pytest.raises(ValueError, match="q_adam_optimizer has already taken steps"):
+        Engine(first_net, 4, QAdamAlgorithm(q_adam), None)
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_low_precision_decentralized_form_names_a_worker_with_nan_weights(hierarchical):
+    from bagua_algos.algorithms import LowPrecisionDecentralizedAlgorithm
+    from bagua_algos.engine import Engine
+
+    engine = Engine(engine_cases.model(), 4, LowPrecisionDecentralizedAlgorithm(hierarchical=hierarchical),
+                    engine_cases.optimizer)
+    x, y = engine_cases.data()
+    engine.step(x[:32].view(4, 8, 12), y[:32].view(4, 8), torch.nn.functional.cross_entropy)
+    with torch.no_grad():
+        engine.model.params[2, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"the weights of worker\(s\) \[2\] have NaN/inf values"):
+        engine.form.after_step(2)
+
+
+def test_qadam_form_names_a_worker_with_nan_momentum():
+    from bagua_algos.algorithms import QAdamAlgorithm, QAdamOptimizer
+    from bagua_algos.engine import Engine
+
+    net = engine_cases.model()
+    engine = Engine(net, 4, QAdamAlgorithm(QAdamOptimizer(net.parameters(), **engine_cases.QADAM_OPTIMIZER),
+                                           hierarchical=False), None)
+    x, y = engine_cases.data()
+    for _ in range(engine_cases.QADAM_OPTIMIZER["warmup_steps"]):
+        engine.step(x[:32].view(4, 8, 12), y[:32].view(4, 8), torch.nn.functional.cross_entropy)
+    engine.form.before_forward(engine.steps + 1)  # the compression phase from here
+    with torch.no_grad():
+        engine.optimizer.state[engine.model.params]["exp_avg"][1, 7] = float("inf")
+    with pytest.raises(ValueError, match=r"the momentum of worker\(s\) \[1\] has NaN/inf values"):
+        engine.form.after_backward(engine.steps + 1)

@@ -56,7 +56,7 @@ class LowPrecisionDecentralizedForm(StackedForm):
             return
         params = self.engine.model.params
         # the per-rank op works on a float32 copy of the bucket
-        x = params.detach() if params.dtype == torch.float32 else params.detach().float()
+        x = rows = params.detach() if params.dtype == torch.float32 else params.detach().float()
         if self.algorithm.hierarchical:
             # the node's allreduce (sum, then / n), done by the leader's row
             x = x.sum(0, keepdim=True).div_(self.n)
@@ -69,19 +69,20 @@ class LowPrecisionDecentralizedForm(StackedForm):
             marks.append(minmax.marked(sent, zb.shape[0]))
             decoded = minmax.decode_chunks(sent, zb.shape[0], bits=MINMAX_UINT8_BITS, numel=bucket.size)
             w[:, bucket.start:bucket.end].add_(decoded.to(w.dtype))
-        self._raise_if_marked(marks, z)
+        self._raise_if_marked(marks, rows if self.algorithm.hierarchical else z)
         # x ← x̂ (through the op's float32 copy, as the per-rank op writes it back)
         new = w if params.dtype == torch.float32 else w.float()
         params.copy_(new.expand_as(params))
 
-    def _raise_if_marked(self, marks, z) -> None:
-        """One host read per communicating step: a worker's z with NaN/inf cannot be
-        encoded (the per-rank op sends the codec's mark and every neighbour raises)."""
+    def _raise_if_marked(self, marks, rows) -> None:
+        """One host read per communicating step: a z with NaN/inf cannot be encoded (the
+        per-rank op sends the codec's mark and every neighbour raises). ``rows``: each
+        worker's z, or (hierarchical) each worker's weights that went into the average."""
         if not bool(torch.cat(marks).any()):
             return
-        bad = (~torch.isfinite(z).all(1)).nonzero().flatten().tolist()
-        who = "the node average (leader)" if self.algorithm.hierarchical else f"worker(s) {bad}"
+        bad = (~torch.isfinite(rows).all(1)).nonzero().flatten().tolist()
+        what = f"the weights of worker(s) {bad} have" if bad else "the workers' average weights (an overflow) have"
         raise ValueError(
-            f"low_precision_decentralized: the weights of {who} have NaN/inf values, which the min-max codec "
-            "cannot encode (look for a diverging loss or a learning rate that is too high)"
+            f"low_precision_decentralized: {what} NaN/inf values, which the min-max codec cannot encode (look for "
+            "a diverging loss or a learning rate that is too high)"
         )

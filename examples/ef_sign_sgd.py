@@ -23,11 +23,17 @@ signs a byte would make it 1/32; the template keeps to what one line of torch do
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from bagua_algos.arguments import check_flag
 from bagua_algos.runtime import comm
 from bagua_algos.runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+
+if TYPE_CHECKING:
+    from bagua_algos.runtime.bucket import BaguaBucket
+    from bagua_algos.runtime.ddp import BaguaDistributedDataParallel
 
 __all__ = ["EFSignSGDAlgorithm", "EFSignSGDAlgorithmImpl", "scaled_sign"]
 
@@ -46,7 +52,7 @@ class EFSignSGDAlgorithmImpl(AlgorithmImpl):
         super().__init__(process_group)
         self.error_feedback = error_feedback
 
-    def init_operations(self, bagua_ddp, bucket) -> None:
+    def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
         if self.error_feedback:
             bucket.state["ef_sign_error"] = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.device)

@@ -27,13 +27,19 @@ adds the received messages to x½ in place in neighbor order and divides once.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..arguments import check_choice, check_real, check_seed
 from ..runtime import comm
-from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry
+from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry, PostOptimizerStepHook
 from ..runtime.topology import check_topology_arg, resolve_topology
 from .model_averaging import ModelAveragingAlgorithmImpl
+
+if TYPE_CHECKING:
+    from ..runtime.bucket import BaguaBucket
+    from ..runtime.ddp import BaguaDistributedDataParallel
 
 __all__ = ["RelayAlgorithm", "RelayAlgorithmImpl", "RELAY_MODES", "relay_messages", "relay_average", "coordinate_ranges"]
 
@@ -161,7 +167,7 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
         self._count_send: dict[int, torch.Tensor] = {}
         self._count_recv: dict[int, torch.Tensor] = {}
 
-    def init_operations(self, bagua_ddp, bucket):
+    def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
         # No bucket ops: the relay runs on the training thread after the optimizer step.
         bucket.clear_ops()
         ranges = coordinate_ranges(bucket.numel, len(self.trees))
@@ -180,7 +186,7 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
             # with_bagua broadcast the parameters before calling us: this is the common x0.
             bucket.state["relay_x0"] = bucket.flattened_tensor()
 
-    def init_post_optimizer_step_hook(self, bagua_ddp):
+    def init_post_optimizer_step_hook(self, bagua_ddp: BaguaDistributedDataParallel) -> PostOptimizerStepHook:
         def hook(optimizer):
             self.relay_step(bagua_ddp.bagua_buckets)
 

@@ -26,6 +26,8 @@ A worker sends (n−1)/n · (N·bits/8 + 10n) bytes in the all-to-all and about 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..arguments import check_choice, check_flag, check_real, check_seed
@@ -34,6 +36,10 @@ from ..runtime import comm
 from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from ..runtime.bucket import aligned_buckets
 from ..runtime.ops import compressed_scatter_gather
+
+if TYPE_CHECKING:
+    from ..runtime.bucket import BaguaBucket
+    from ..runtime.ddp import BaguaDistributedDataParallel
 
 __all__ = ["TernGradAlgorithm", "TernGradAlgorithmImpl", "clip_by_std"]
 
@@ -57,10 +63,10 @@ class TernGradAlgorithmImpl(AlgorithmImpl):
         self.seed = seed
         self.generator = None
 
-    def tensors_to_buckets(self, tensors, do_flatten):
+    def tensors_to_buckets(self, tensors: list, do_flatten: bool) -> list[BaguaBucket]:
         return aligned_buckets(tensors, do_flatten, self.world_size)  # one chunk per worker
 
-    def init_operations(self, bagua_ddp, bucket):
+    def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
         if self.generator is None or self.generator.device != bucket.device:
             # One generator per worker; the buckets run in a fixed order on the

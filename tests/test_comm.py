@@ -81,7 +81,7 @@ def _collectives_worker(rank, n):
         "default": (default.ranks, comm._get_default_group() is default, comm.group_ranks(None)),
         "module_intra": comm.group_ranks(comm.intra_node_group()),
         "module_inter": comm.group_ranks(comm.inter_node_group()),
-        "backend": (comm.get_backend(), comm.get_backend(sub) if rank else None),
+        "backend": (comm.get_backend_name(), comm.get_backend_name(sub) if rank else None),
         "torch_group_rank": comm.get_rank(sub.torch_group),
     }
     wrapped = comm.from_torch_group(sub.torch_group) if rank else None
@@ -377,6 +377,12 @@ def test_init_process_group_takes_baguas_signature(monkeypatch, tmp_path):
         comm.init_process_group(store, 0, 2, 3)
     with pytest.raises(ValueError, match="timeout must be a positive number"):
         comm.init_process_group(store, 0, 1, timeout=-1)
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        comm.init_process_group(store, 0, 1, timeout=True)
+    # Ranks and sizes are integers, never truncated: 1.5 is not rank 1.
+    for name, args in (("rank", (1.5, 2)), ("world_size", (0, 2.0)), ("local_world_size", (0, 2, "2"))):
+        with pytest.raises(ValueError, match=rf"^{name} must be an int >= 0 \(or -1: from \$"):
+            comm.init_process_group(store, *args)
     with pytest.raises(ValueError, match="backend must be one of 'auto', 'gloo', 'nccl'"):
         comm.init_process_group(store, 0, 1, backend="mpi")
     assert not comm.is_initialized()
@@ -387,6 +393,8 @@ def test_init_process_group_takes_baguas_signature(monkeypatch, tmp_path):
         assert comm._state["timeout"] == timedelta(seconds=5)
         with pytest.raises(RuntimeError, match="called twice"):
             comm.init_process_group(store, 0, 1)
+        with pytest.raises(ValueError, match="timeout must be a positive number of seconds or a timedelta, got 0"):
+            comm.new_group([0], timeout=0)
         t = torch.arange(4.0)
         comm.allreduce_inplace(t, comm.ReduceOp.AVG)
         assert t.tolist() == [0.0, 1.0, 2.0, 3.0]

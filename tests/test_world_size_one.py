@@ -33,18 +33,13 @@ def _train(model, optimizer):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _one_worker(rank, world):
-    import warnings
-
-    from bagua_algos import algorithms as A
+def _table_rows(sgd) -> dict:
+    """Every row of the algorithm table that says it is an exact identity alone, against
+    plain SGD; a row that says it needs more workers must be refused. (The others are
+    checked below: QAdam, the low-precision ring.)"""
     from bagua_algos.algorithms.table import ALGORITHM_TABLE
-    from bagua_algos.compression import minmax
 
     out = {}
-    reference = _model()
-    sgd = _train(reference, torch.optim.SGD(reference.parameters(), lr=0.1))
-    # Every row that says it is an exact identity alone; the others are checked below
-    # (QAdam, the low-precision ring) or need more workers (refused, by name).
     for config in ALGORITHM_TABLE:
         model = _model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -67,7 +62,16 @@ def _one_worker(rank, world):
         out[config.label] = {"equal": all(torch.equal(a, b) for a, b in zip(params, sgd)),
                              "local_only": all(op.local_only for op in ops),
                              "state": {b.name: dict(b.state) for b in model.bagua_buckets}}
-    # QAdam (in its warm-up, and after it: then the momentum is compressed, not local)
+    return out
+
+
+def _qadam() -> dict:
+    """QAdam in its warm-up, and after it (then the momentum is compressed, not local)."""
+    import warnings
+
+    from bagua_algos import algorithms as A
+
+    out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for warmup in (100, 3):
@@ -80,7 +84,14 @@ def _one_worker(rank, world):
             out[f"qadam_{warmup}"] = {"equal": all(torch.equal(a, b) for a, b in zip(params, qref)),
                                       "local_only": all(op.local_only for b in model.bagua_buckets
                                                         for op in b.ops if hasattr(op, "local_only"))}
-    # low-precision ring, one worker: x ← w + D(Q(x − w)) after each local step
+    return out
+
+
+def _low_precision(sgd) -> dict:
+    """The low-precision ring, one worker: x ← w + D(Q(x − w)) after each local step."""
+    from bagua_algos import algorithms as A
+    from bagua_algos.compression import minmax
+
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model = model.with_bagua([optimizer], A.LowPrecisionDecentralizedAlgorithm())
@@ -100,9 +111,14 @@ def _one_worker(rank, world):
             for p in reversed(list(reference.parameters())):
                 p.copy_(w[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
-    out["low_precision"] = {"equal": all(torch.equal(a, b.detach()) for a, b in zip(params, reference.parameters())),
-                            "moved": not all(torch.equal(a, b) for a, b in zip(params, sgd))}
-    return out
+    return {"equal": all(torch.equal(a, b.detach()) for a, b in zip(params, reference.parameters())),
+            "moved": not all(torch.equal(a, b) for a, b in zip(params, sgd))}
+
+
+def _one_worker(rank, world):
+    reference = _model()
+    sgd = _train(reference, torch.optim.SGD(reference.parameters(), lr=0.1))
+    return {**_table_rows(sgd), **_qadam(), "low_precision": _low_precision(sgd)}
 
 
 def test_every_algorithm_at_world_size_one_trains_as_it_defines():

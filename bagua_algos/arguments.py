@@ -17,6 +17,8 @@ The rules:
   without wrapping; a worker's own stream of random choices (rounding, drops) is
   seeded with ``rank_seed(seed, rank)``, the one rule for per-rank seeds, so a rank
   draws the same numbers as a process and as a worker of the one-process engine;
+- a timeout is a positive ``datetime.timedelta`` or a positive finite number of
+  seconds (never a bool), returned as a timedelta;
 - a choice must equal one of the choices, a bool never standing for 0 or 1 (nor an
   int for True or False).
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from datetime import timedelta
 from typing import Iterable, Optional
 
 __all__ = [
@@ -35,6 +38,7 @@ __all__ = [
     "check_real",
     "check_seed",
     "rank_seed",
+    "check_timeout",
     "check_choice",
     "is_int",
     "is_real",
@@ -124,6 +128,16 @@ def rank_seed(seed: int, rank: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
     return (x ^ (x >> 31)) % SEED_LIMIT
+
+
+def check_timeout(value, name: str = "timeout") -> timedelta:
+    """A timeout: a positive timedelta, or a positive finite number of seconds; as a timedelta."""
+    if isinstance(value, timedelta):
+        if value <= timedelta(0):
+            raise ValueError(f"{name} must be positive, got {value!r}")
+        return value
+    seconds = check_real(name, value, 0.0, low_open=True, what="a positive number of seconds or a timedelta")
+    return timedelta(seconds=seconds)
 
 
 def _same_kind(value, choice) -> bool:

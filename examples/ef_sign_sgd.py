@@ -23,18 +23,37 @@ signs a byte would make it 1/32; the template keeps to what one line of torch do
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from bagua_algos.arguments import check_flag
 from bagua_algos.runtime import comm
 from bagua_algos.runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 
-__all__ = ["EFSignSGDAlgorithm", "EFSignSGDAlgorithmImpl", "scaled_sign"]
+if TYPE_CHECKING:
+    from bagua_algos.runtime.bucket import BaguaBucket
+    from bagua_algos.runtime.ddp import BaguaDistributedDataParallel
+
+__all__ = ["EFSignSGDAlgorithm", "EFSignSGDAlgorithmImpl", "scaled_sign", "sign_message", "message_value"]
+
+
+# The math is pure functions, tested on their own; the op below calls them, never
+# restates them.
+def sign_message(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 2 as it travels: the scale ‖p‖₁ / d (a 1-element tensor) and sign(p) as int8."""
+    return p.abs().mean().reshape(1), torch.sign(p).to(torch.int8)
+
+
+def message_value(scale: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """δ = scale · signs, the value a message stands for (broadcast: n scales as an
+    (n, 1) tensor against n rows of signs give the n workers' δ at once)."""
+    return scale * signs
 
 
 def scaled_sign(p: torch.Tensor) -> torch.Tensor:
-    """Step 2: (‖p‖₁ / d) · sign(p), the scaled sign of a 1-D tensor (pure math)."""
-    return p.abs().mean() * torch.sign(p)
+    """Step 2: δ = (‖p‖₁ / d) · sign(p), the scaled sign of a 1-D tensor."""
+    return message_value(*sign_message(p))
 
 
 class EFSignSGDAlgorithmImpl(AlgorithmImpl):
@@ -46,7 +65,7 @@ class EFSignSGDAlgorithmImpl(AlgorithmImpl):
         super().__init__(process_group)
         self.error_feedback = error_feedback
 
-    def init_operations(self, bagua_ddp, bucket) -> None:
+    def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
         if self.error_feedback:
             bucket.state["ef_sign_error"] = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.device)
@@ -58,16 +77,15 @@ class EFSignSGDAlgorithmImpl(AlgorithmImpl):
             p = flat.float()
             if self.error_feedback:
                 p = p + bucket.state["ef_sign_error"]                        # 1.
-            scale = p.abs().mean().reshape(1)
-            signs = torch.sign(p).to(torch.int8)
+            scale, signs = sign_message(p)                                   # 2. δ, as sent
             if self.error_feedback:
-                bucket.state["ef_sign_error"].copy_(p - scale * signs)      # 3. e ← p − δ
+                bucket.state["ef_sign_error"].copy_(p - message_value(scale, signs))  # 3. e ← p − δ
             n = self.world_size
             scales = torch.empty(n, dtype=scale.dtype, device=scale.device)
             all_signs = torch.empty(n * signs.numel(), dtype=torch.int8, device=signs.device)
-            comm.allgather(scale, scales, group=self.process_group)         # 2. the messages
+            comm.allgather(scale, scales, group=self.process_group)         # every worker's message
             comm.allgather(signs, all_signs, group=self.process_group)
-            mean = (scales[:, None] * all_signs.view(n, -1)).sum(0).div_(n)  # 4.
+            mean = message_value(scales[:, None], all_signs.view(n, -1)).sum(0).div_(n)  # 4.
             flat.copy_(mean)
         bucket.write_flat(flat)
 

@@ -6,8 +6,20 @@ of :mod:`bagua_algos.compression.minmax` at ``bits`` bits: one chunk per worker,
 chunk quantized to 2^bits levels between its min and max, all-to-all, each worker
 decodes and averages its chunk, quantizes it again, all-gather, decode. The result is
 ĝ ≈ (1/n) Σ_i g_i. With stochastic rounding (the default, as TernGrad) each
-quantization is unbiased, so E[ĝ] = (1/n) Σ_i g_i; the random numbers come from a
-generator seeded with ``seed + rank``, saved in the algorithm's ``state_dict``.
+quantization is unbiased, so E[ĝ] = (1/n) Σ_i g_i.
+
+Random numbers: rank r's stream is a CPU generator seeded ``rank_seed(seed, r)`` (the
+one rule for per-rank seeds, :func:`bagua_algos.arguments.rank_seed`; r its rank in
+the process group), saved in the algorithm's ``state_dict``. Each bucket's reduction
+draws one key from it and seeds a generator on the bucket's device with that key; the
+codec's uniforms come from the device's generator (mt19937 on the CPU, Philox on
+CUDA, where the Triton kernels key their own Philox with one draw of it). So a rank's
+stream, and what a checkpoint holds, advance alike on every device, and a rank draws
+the same keys whether it runs as a process or beside others in one process; what a
+key expands to is the device's own, so a CPU run and a CUDA run of one seed round
+different values (each unbiased). Drawing the uniforms themselves on the CPU would
+make the two runs equal, at the price of a host draw and a host-to-device copy of 4
+bytes per gradient value every step, where the codec sends ``bits``/8 bytes of it.
 
 Options, applied to each worker's contribution before the first quantization:
 
@@ -26,14 +38,19 @@ A worker sends (n−1)/n · (N·bits/8 + 10n) bytes in the all-to-all and about 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from ..arguments import check_choice, check_flag, check_real, check_seed
+from ..arguments import SEED_LIMIT, check_choice, check_flag, check_real, check_seed, rank_seed
 from ..compression import minmax
-from ..runtime import comm
 from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from ..runtime.bucket import aligned_buckets
 from ..runtime.ops import compressed_scatter_gather
+
+if TYPE_CHECKING:
+    from ..runtime.bucket import BaguaBucket
+    from ..runtime.ddp import BaguaDistributedDataParallel
 
 __all__ = ["TernGradAlgorithm", "TernGradAlgorithmImpl", "clip_by_std"]
 
@@ -55,21 +72,30 @@ class TernGradAlgorithmImpl(AlgorithmImpl):
         self.error_feedback = error_feedback
         self.clip = clip
         self.seed = seed
-        self.generator = None
+        self.generator = torch.Generator().manual_seed(rank_seed(seed, self.rank))  # this rank's stream (CPU)
+        self._key_generators: dict = {}  # device → the generator a key seeds there (see the module's docstring)
 
-    def tensors_to_buckets(self, tensors, do_flatten):
+    def tensors_to_buckets(self, tensors: list, do_flatten: bool) -> list[BaguaBucket]:
         return aligned_buckets(tensors, do_flatten, self.world_size)  # one chunk per worker
 
-    def init_operations(self, bagua_ddp, bucket):
+    def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
-        if self.generator is None or self.generator.device != bucket.device:
-            # One generator per worker; the buckets run in a fixed order on the
-            # communication thread, so the draws are reproducible.
-            self.generator = torch.Generator(device=bucket.device)
-            self.generator.manual_seed(self.seed + comm.get_rank())
         if self.error_feedback:
             bucket.state["terngrad_error"] = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.device)
         bucket.append_python_op(lambda name: self._reduce(bucket), group=self.process_group)
+
+    def _rounding_generator(self, device: torch.device) -> torch.Generator | None:
+        """The generator of one bucket's stochastic rounding: a generator on ``device``
+        seeded with the next key of this rank's stream (None with nearest rounding,
+        which draws nothing). The buckets run in a fixed order on the communication
+        thread, so the keys are reproducible."""
+        if not self.stochastic:
+            return None
+        key = int(torch.randint(0, SEED_LIMIT - 1, (), generator=self.generator))  # a CPU draw: no device wait
+        generator = self._key_generators.get(device)
+        if generator is None:
+            generator = self._key_generators[device] = torch.Generator(device=device)
+        return generator.manual_seed(key)
 
     def _reduce(self, bucket) -> None:
         flat = bucket.flat_view()
@@ -80,8 +106,8 @@ class TernGradAlgorithmImpl(AlgorithmImpl):
             if self.error_feedback:
                 v.add_(bucket.state["terngrad_error"])
             result = v.clone()
-            sent = compressed_scatter_gather(result, self.bits, True, self.process_group,
-                                             stochastic=self.stochastic, generator=self.generator)
+            sent = compressed_scatter_gather(result, self.bits, True, self.process_group, stochastic=self.stochastic,
+                                             generator=self._rounding_generator(result.device))
             if self.error_feedback:
                 # e ← v − D(Q(v)): the error of this worker's own (first) quantization.
                 chunk = -(-v.numel() // self.world_size)
@@ -91,7 +117,7 @@ class TernGradAlgorithmImpl(AlgorithmImpl):
         bucket.write_flat(flat)
 
     def state_dict(self) -> dict:
-        return {"generator_state": None if self.generator is None else self.generator.get_state()}
+        return {"generator_state": self.generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
@@ -110,7 +136,8 @@ class TernGradAlgorithm(Algorithm):
             next step's gradient.
         clip: None (off) or c > 0: clip the gradient to ±c·σ before quantizing
             (TernGrad suggests c = 2.5).
-        seed: the stochastic rounding of rank r draws from a generator seeded seed + r.
+        seed: the stochastic rounding of rank r draws from a CPU generator seeded
+            ``rank_seed(seed, r)`` (the module's docstring says how on CUDA).
     """
 
     def __init__(self, bits: int = 2, stochastic: bool = True, error_feedback: bool = False, clip=None,

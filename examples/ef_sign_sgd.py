@@ -19,6 +19,11 @@ gradient values on each of n workers:
 The wire: an all-gather of the n scales (float32) and of the n sign vectors as int8,
 d + 4 bytes per worker instead of 4d: a quarter of the gradient's bytes. (Packing eight
 signs a byte would make it 1/32; the template keeps to what one line of torch does.)
+
+Its second form, :class:`EFSignSGDForm`, runs the same four steps on the one-process
+engine's stacked state (every worker's bucket a row), with the same pure functions, and
+is registered with ``bagua_algos.engine.register_form`` (docs/engine.md): the hook for an
+algorithm outside the package.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from bagua_algos.arguments import check_flag
+from bagua_algos.engine import StackedForm, register_form
 from bagua_algos.runtime import comm
 from bagua_algos.runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 
@@ -35,14 +41,17 @@ if TYPE_CHECKING:
     from bagua_algos.runtime.bucket import BaguaBucket
     from bagua_algos.runtime.ddp import BaguaDistributedDataParallel
 
-__all__ = ["EFSignSGDAlgorithm", "EFSignSGDAlgorithmImpl", "scaled_sign", "sign_message", "message_value"]
+__all__ = ["EFSignSGDAlgorithm", "EFSignSGDAlgorithmImpl", "EFSignSGDForm", "scaled_sign", "sign_message",
+           "message_value"]
 
 
 # The math is pure functions, tested on their own; the op below calls them, never
 # restates them.
 def sign_message(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 2 as it travels: the scale ‖p‖₁ / d (a 1-element tensor) and sign(p) as int8."""
-    return p.abs().mean().reshape(1), torch.sign(p).to(torch.int8)
+    """Step 2 as it travels: the scale ‖p‖₁ / d and sign(p) as int8. ``p`` is one
+    worker's d values (the scale is a 1-element tensor) or n workers' rows ``[n, d]``
+    (the n scales as ``[n, 1]``)."""
+    return p.abs().mean(-1, keepdim=True), torch.sign(p).to(torch.int8)
 
 
 def message_value(scale: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
@@ -110,7 +119,33 @@ class EFSignSGDAlgorithm(Algorithm):
         return EFSignSGDAlgorithmImpl(process_group, self.error_feedback)
 
 
+class EFSignSGDForm(StackedForm):
+    """The same algorithm on the engine's stacked state: each bucket of every worker is a
+    row of ``grads[:, start:end]``, so steps 1–4 run on all workers at once."""
+
+    def __init__(self, algorithm: EFSignSGDAlgorithm, engine):
+        super().__init__(algorithm, engine)
+        grads = engine.model.grads
+        self.errors = [torch.zeros(self.n, b.size, dtype=torch.float32, device=grads.device)
+                       for b in engine.model.layout.buckets] if algorithm.error_feedback else None
+
+    @torch.no_grad()
+    def after_backward(self, step: int) -> None:
+        grads = self.engine.model.grads
+        for index, bucket in enumerate(self.engine.model.layout.buckets):
+            flat = grads[:, bucket.start:bucket.end]
+            p = flat.float()
+            if self.errors is not None:
+                p = p + self.errors[index]                                   # 1.
+            scale, signs = sign_message(p)                                   # 2. every worker's δ
+            if self.errors is not None:
+                self.errors[index].copy_(p - message_value(scale, signs))    # 3. e ← p − δ
+            mean = message_value(scale, signs).sum(0).div_(self.n)           # 4.
+            flat.copy_(mean.expand_as(flat))
+
+
 GlobalAlgorithmRegistry.register("ef_sign_sgd", EFSignSGDAlgorithm, "scaled gradient signs averaged, with error feedback")
+register_form(EFSignSGDAlgorithm, EFSignSGDForm)
 
 
 def main(argv=None) -> None:

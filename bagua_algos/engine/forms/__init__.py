@@ -38,17 +38,21 @@ def form_for(algorithm):
 
 
 def _register_builtin() -> None:
-    from ...algorithms import (AllreduceAverageAlgorithm, DecentralizedAlgorithm, GradientAllReduceAlgorithm,
-                               RelayAlgorithm)
+    from ...algorithms import (AllreduceAverageAlgorithm, ByteGradAlgorithm, DecentralizedAlgorithm,
+                               GradientAllReduceAlgorithm, RelayAlgorithm, TernGradAlgorithm)
     from .allreduce_average import AllreduceAverageForm
+    from .bytegrad import ByteGradForm
     from .decentralized import DecentralizedForm
     from .gradient_allreduce import GradientAllReduceForm
     from .relay import RelayForm
+    from .terngrad import TernGradForm
 
     register_form(GradientAllReduceAlgorithm, GradientAllReduceForm)
     register_form(AllreduceAverageAlgorithm, AllreduceAverageForm)
     register_form(DecentralizedAlgorithm, DecentralizedForm)
     register_form(RelayAlgorithm, RelayForm)
+    register_form(TernGradAlgorithm, TernGradForm)
+    register_form(ByteGradAlgorithm, ByteGradForm)
 
 
 _register_builtin()

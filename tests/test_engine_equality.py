@@ -47,7 +47,6 @@ CASES = [
     ("relay_chain_world_size", "relay", {"topology": "chain", "mode": "world_size"}),
     ("relay_dbt_drops", "relay", {"topology": "double_binary_tree", "drop_rate": 0.3, "seed": 5}),
     ("terngrad_2bit", "terngrad", {"bits": 2}),
-    ("terngrad_2bit_clip", "terngrad", {"bits": 2, "clip": 2.5, "seed": 7}),
     ("terngrad_2bit_clip_nearest", "terngrad", {"bits": 2, "clip": 2.5, "stochastic": False}),
     ("terngrad_2bit_clip_ef", "terngrad", {"bits": 2, "clip": 2.5, "error_feedback": True, "seed": 9}),
     ("terngrad_1bit_ef_nearest", "terngrad", {"bits": 1, "error_feedback": True, "stochastic": False}),

@@ -8,23 +8,21 @@ decodes and averages its chunk, quantizes it again, all-gather, decode. The resu
 ĝ ≈ (1/n) Σ_i g_i. With stochastic rounding (the default, as TernGrad) each
 quantization is unbiased, so E[ĝ] = (1/n) Σ_i g_i.
 
-Random numbers: rank r's stream is a CPU generator seeded ``rank_seed(seed, r)`` (the
-one rule for per-rank seeds, :func:`bagua_algos.arguments.rank_seed`; r its rank in
-the process group), saved in the algorithm's ``state_dict``. Each bucket's reduction
-draws one key from it and seeds a generator on the bucket's device with that key; the
-codec's uniforms come from the device's generator (mt19937 on the CPU, Philox on
-CUDA, where the Triton kernels key their own Philox with one draw of it). So a rank's
-stream, and what a checkpoint holds, advance alike on every device, and a rank draws
-the same keys whether it runs as a process or beside others in one process; what a
-key expands to is the device's own, so a CPU run and a CUDA run of one seed round
-different values (each unbiased). Drawing the uniforms themselves on the CPU would
-make the two runs equal, at the price of a host draw and a host-to-device copy of 4
-bytes per gradient value every step, where the codec sends ``bits``/8 bytes of it.
+Random numbers (:class:`RoundingStream`): rank r's stream is a CPU generator seeded
+``rank_seed(seed, r)`` (:func:`bagua_algos.arguments.rank_seed`, the one rule for
+per-rank seeds), saved in the algorithm's ``state_dict``. Each bucket's reduction
+draws one key from it and seeds a generator on the bucket's device with the key; the
+codec's uniforms come from that generator (mt19937 on the CPU; on CUDA Philox, whose
+Triton kernels key their own Philox with one draw of it). So a rank's stream advances
+alike on every device, and the one-process engine, holding one stream per worker,
+draws every worker's numbers as its process does on the same device. A CPU run and a
+CUDA run of one seed round different values (each unbiased).
 
 Options, applied to each worker's contribution before the first quantization:
 
 - ``clip=c`` (TernGrad's gradient clipping): g ← clamp(g, −c·σ, c·σ), σ the standard
-  deviation of the bucket's gradient values (per bucket, not per layer);
+  deviation of the bucket's values, padding included (per bucket, not per layer;
+  :func:`clip_rows_by_std`);
 - ``error_feedback=True``: v = g + e is sent instead of g, and the error of the *first*
   quantization, the only one this worker controls, is kept for the next step:
   e ← v − D(Q(v)) (Q the chunk-wise encoding this worker sends, D its decoding). The
@@ -52,15 +50,44 @@ if TYPE_CHECKING:
     from ..runtime.bucket import BaguaBucket
     from ..runtime.ddp import BaguaDistributedDataParallel
 
-__all__ = ["TernGradAlgorithm", "TernGradAlgorithmImpl", "clip_by_std"]
+__all__ = ["TernGradAlgorithm", "TernGradAlgorithmImpl", "RoundingStream", "clip_by_std", "clip_rows_by_std"]
+
+
+def clip_rows_by_std(rows: torch.Tensor, c: float) -> torch.Tensor:
+    """TernGrad's clipping of each row of ``rows`` (``[R, m]``), in place: row r clamped
+    to [−c·σ_r, c·σ_r], σ_r its population standard deviation (computed in float32);
+    a row with σ_r = 0 (or NaN) is left alone. The bound is c·σ_r in float64 rounded
+    to the rows' dtype once, as a Python-scalar clamp rounds it."""
+    sigma = rows.float().std(dim=1, unbiased=False)
+    bound = (sigma.double() * c).to(rows.dtype)
+    bound = torch.where(sigma > 0, bound, torch.full_like(bound, float("inf"))).unsqueeze(1)
+    return rows.clamp_(-bound, bound)
 
 
 def clip_by_std(g: torch.Tensor, c: float) -> torch.Tensor:
-    """TernGrad's clipping: g clamped to [−c·σ, c·σ], σ = std(g) (population), in place."""
-    sigma = float(g.float().std(unbiased=False)) if g.numel() > 1 else 0.0
-    if sigma > 0:
-        g.clamp_(-c * sigma, c * sigma)
+    """:func:`clip_rows_by_std` of the flat ``g`` as one row, in place."""
+    clip_rows_by_std(g.view(1, -1), c)
     return g
+
+
+class RoundingStream:
+    """The random numbers of one rank's stochastic rounding (the module's notes): a CPU
+    generator seeded ``rank_seed(seed, rank)``; :meth:`reduction_generator` draws the
+    next key from it and returns a generator on ``device`` seeded with that key, the one
+    a bucket's reduction rounds with. The per-rank algorithm holds one, the
+    one-process engine one per worker."""
+
+    def __init__(self, seed: int, rank: int):
+        self.generator = torch.Generator().manual_seed(rank_seed(seed, rank))
+        self._on_device: dict = {}  # device → the generator a key seeds there
+
+    def reduction_generator(self, device) -> torch.Generator:
+        key = int(torch.randint(0, SEED_LIMIT - 1, (), generator=self.generator))  # a CPU draw: no device wait
+        device = torch.device(device)
+        generator = self._on_device.get(device)
+        if generator is None:
+            generator = self._on_device[device] = torch.Generator(device=device)
+        return generator.manual_seed(key)
 
 
 class TernGradAlgorithmImpl(AlgorithmImpl):
@@ -72,8 +99,7 @@ class TernGradAlgorithmImpl(AlgorithmImpl):
         self.error_feedback = error_feedback
         self.clip = clip
         self.seed = seed
-        self.generator = torch.Generator().manual_seed(rank_seed(seed, self.rank))  # this rank's stream (CPU)
-        self._key_generators: dict = {}  # device → the generator a key seeds there (see the module's docstring)
+        self.rounding = RoundingStream(seed, self.rank)
 
     def tensors_to_buckets(self, tensors: list, do_flatten: bool) -> list[BaguaBucket]:
         return aligned_buckets(tensors, do_flatten, self.world_size)  # one chunk per worker
@@ -106,8 +132,10 @@ class TernGradAlgorithmImpl(AlgorithmImpl):
             if self.error_feedback:
                 v.add_(bucket.state["terngrad_error"])
             result = v.clone()
-            sent = compressed_scatter_gather(result, self.bits, True, self.process_group, stochastic=self.stochastic,
-                                             generator=self._rounding_generator(result.device))
+            # the buckets run in a fixed order on the communication thread: reproducible keys
+            generator = self.rounding.reduction_generator(result.device) if self.stochastic else None
+            sent = compressed_scatter_gather(result, self.bits, True, self.process_group,
+                                             stochastic=self.stochastic, generator=generator)
             if self.error_feedback:
                 # e ← v − D(Q(v)): the error of this worker's own (first) quantization.
                 chunk = -(-v.numel() // self.world_size)
@@ -117,12 +145,12 @@ class TernGradAlgorithmImpl(AlgorithmImpl):
         bucket.write_flat(flat)
 
     def state_dict(self) -> dict:
-        return {"generator_state": self.generator.get_state()}
+        return {"generator_state": self.rounding.generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         if state.get("generator_state") is not None:
-            self.generator.set_state(state["generator_state"].clone())
+            self.rounding.generator.set_state(state["generator_state"].clone())
 
 
 class TernGradAlgorithm(Algorithm):
@@ -137,7 +165,7 @@ class TernGradAlgorithm(Algorithm):
         clip: None (off) or c > 0: clip the gradient to ±c·σ before quantizing
             (TernGrad suggests c = 2.5).
         seed: the stochastic rounding of rank r draws from a CPU generator seeded
-            ``rank_seed(seed, r)`` (the module's docstring says how on CUDA).
+            ``rank_seed(seed, r)`` (the module's notes say how on each device).
     """
 
     def __init__(self, bits: int = 2, stochastic: bool = True, error_feedback: bool = False, clip=None,

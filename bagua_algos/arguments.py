@@ -17,8 +17,8 @@ The rules:
   without wrapping; a worker's own stream of random choices (rounding, drops) is
   seeded with ``rank_seed(seed, rank)``, the one rule for per-rank seeds, so a rank
   draws the same numbers as a process and as a worker of the one-process engine;
-- a timeout is a positive ``datetime.timedelta`` or a positive finite number of
-  seconds (never a bool), returned as a timedelta;
+- a timeout is a positive finite number of seconds (never a bool) or a
+  ``datetime.timedelta`` of a positive length, returned as seconds;
 - a choice must equal one of the choices, a bool never standing for 0 or 1 (nor an
   int for True or False).
 """
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from datetime import timedelta
 from typing import Iterable, Optional
 
 __all__ = [
@@ -130,14 +129,14 @@ def rank_seed(seed: int, rank: int) -> int:
     return (x ^ (x >> 31)) % SEED_LIMIT
 
 
-def check_timeout(value, name: str = "timeout") -> timedelta:
-    """A timeout: a positive timedelta, or a positive finite number of seconds; as a timedelta."""
-    if isinstance(value, timedelta):
-        if value <= timedelta(0):
-            raise ValueError(f"{name} must be positive, got {value!r}")
-        return value
-    seconds = check_real(name, value, 0.0, low_open=True, what="a positive number of seconds or a timedelta")
-    return timedelta(seconds=seconds)
+def check_timeout(value, name: str = "timeout") -> float:
+    """A timeout, in seconds (a float > 0): a positive finite number of seconds, or a
+    ``datetime.timedelta`` (anything with ``total_seconds()``) of a positive length."""
+    total_seconds = getattr(value, "total_seconds", None)
+    seconds = total_seconds() if callable(total_seconds) else value
+    if not is_real(seconds) or seconds <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds or a timedelta, got {value!r}")
+    return float(seconds)
 
 
 def _same_kind(value, choice) -> bool:

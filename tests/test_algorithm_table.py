@@ -44,8 +44,8 @@ def test_the_topologies_and_modes_the_tests_rely_on_have_rows():
     assert {kwargs[f"relay_{t}"]["topology"] for t in ("chain", "binary_tree", "double_binary_tree")} == {
         "chain", "binary_tree", "double_binary_tree"}
     assert kwargs["decentralized_ring"]["topology"] == "ring"
-    assert {kwargs["decentralized_all"]["peer_selection_mode"], kwargs["decentralized_shift_one"]["peer_selection_mode"]} \
-        == {"all", "shift_one"}
+    modes = {kwargs[label]["peer_selection_mode"] for label in ("decentralized_all", "decentralized_shift_one")}
+    assert modes == {"all", "shift_one"}
 
 
 def test_labels_are_unique_and_looked_up_by_name():

@@ -6,9 +6,10 @@ processes started by torchrun (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR/PORT set), so Lightning does not launch processes; the first fit's
 strategy joins the process group itself through the plugin's runtime, later fits
 reuse it. Per algorithm (the first row of each name in the algorithm table): a short
-``Trainer.fit`` (losses finite, replicas equal or different as the row says); gradient_allreduce against ``strategy="ddp"`` on the
-same seed; resuming from an epoch-end checkpoint against the uninterrupted fit; the
-async algorithm's background rounds stopped with the fit. Then Bagua's names that
+``Trainer.fit`` (losses finite, replicas equal or different as the row says);
+gradient_allreduce against ``strategy="ddp"`` on the same seed; resuming from an
+epoch-end checkpoint against the uninterrupted fit; the async algorithm's background
+rounds stopped with the fit. Then Bagua's names that
 lightning-bagua 0.1.0 imports and calls, through the compatibility package.
 """
 

@@ -177,7 +177,8 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
         ranges = coordinate_ranges(bucket.numel, len(self.trees))
         received = bucket.state["relay_received"] = {}
         for k, (tree, (start, end)) in enumerate(zip(self.trees, ranges)):
-            link = self._links[(bucket.name, k)] = _Link(start, end, tree.neighbors(self.rank), bucket.dtype, bucket.device)
+            link = _Link(start, end, tree.neighbors(self.rank), bucket.dtype, bucket.device)
+            self._links[(bucket.name, k)] = link
             received[k] = link.recv
         if not self._count_send:
             # Counts live on the CPU whatever the model's device: they are read on the host

@@ -79,7 +79,8 @@ class OwnOptimizer(_PicklesAsDicts):
             raise TypeError(f"cls must be a torch.optim.Optimizer subclass, got {self.cls!r}")
         object.__setattr__(self, "kwargs", _read_only(self.kwargs, "kwargs"))
         if not isinstance(self.argument, str) or not self.argument:
-            raise ValueError(f"argument must name the algorithm's keyword argument for the optimizer, got {self.argument!r}")
+            raise ValueError(
+                f"argument must name the algorithm's keyword argument for the optimizer, got {self.argument!r}")
 
 
 @dataclass(frozen=True)

@@ -40,10 +40,16 @@ def job_timeout() -> timedelta:
     return _state["timeout"] or DEFAULT_TIMEOUT
 
 
+def _as_timedelta(timeout) -> timedelta:
+    """A ``timeout=`` argument (a timedelta or seconds, checked) as a timedelta."""
+    seconds = check_timeout(timeout)
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
+
+
 def _timeout_kwargs(timeout=None) -> dict:
     """torch's ``timeout=`` for a new group: ``timeout`` if given, else the job's; none
     at all in a job this package did not start (torch's default then)."""
-    timeout = _state["timeout"] if timeout is None else check_timeout(timeout)
+    timeout = _state["timeout"] if timeout is None else _as_timedelta(timeout)
     return {} if timeout is None else {"timeout": timeout}
 
 

@@ -13,10 +13,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ...arguments import check_int, check_timeout
+from ...arguments import check_int
 from ..gpus import gpu_shortage
 from .env import _env_int, is_initialized
-from .groups import DEFAULT_TIMEOUT, _joined, job_timeout
+from .groups import DEFAULT_TIMEOUT, _as_timedelta, _joined, job_timeout
 from .helper_thread import _stop_helper
 
 _owner = {"joined": False, "atexit": False}  # this module called dist.init_process_group; its exit hook is set
@@ -87,7 +87,7 @@ def init_process_group(
         backend, store = store, None
     if is_initialized():
         raise RuntimeError("init_process_group() was called twice in this process")
-    timeout = DEFAULT_TIMEOUT if timeout is None else check_timeout(timeout)
+    timeout = DEFAULT_TIMEOUT if timeout is None else _as_timedelta(timeout)
     rank, world_size, local_world_size, local_rank = _job_layout(store, rank, world_size, local_world_size)
     torch_backend = choose_backend(backend, local_world_size)
     if torch_backend != "gloo":

@@ -320,7 +320,9 @@ def _report(args, device) -> None:
         from bagua_algos.compression import orthogonalization
 
         ranks = [int(r) for r in args.ranks.split(",")]
-        method = orthogonalization.prepare("auto", device)
+        started = time.perf_counter()
+        method = orthogonalization.prepare("auto", device)  # builds cuda_ext the first time
+        prepare_s = time.perf_counter() - started
         if method == "householder":
             import cuda_ext
 
@@ -330,7 +332,8 @@ def _report(args, device) -> None:
             method = f"{method} for r >= 2, {for_r1} for r = 1"
         rows = bench_compress(ranks, args.steps, args.warmup, device, args.model, args.bucket_mb)
         print(f"device: {describe_device(device)}; torch {torch.__version__}; {args.model} gradients in "
-              f"{rows[0]['buckets']} bucket(s) of <= {args.bucket_mb:g} MB; our orthogonalization auto = {method}; "
+              f"{rows[0]['buckets']} bucket(s) of <= {args.bucket_mb:g} MB; our orthogonalization auto = {method} "
+              f"(prepared in {prepare_s:.2f} s); "
               f"median of {args.steps} steps after {args.warmup}")
         print("rank  ours ms   torch ms  ours/torch  torch batched ms  ours/torch batched")
         for row in rows:

@@ -300,6 +300,11 @@ def _ddp_hook_checks_on_cpu(rank, n):
 
 @pytest.fixture(scope="module")
 def results():
+    # "auto" builds cuda_ext's CPU module the first time (about 70 s, then cached): build it
+    # here, before the workers' timeout starts, rather than in both workers at once.
+    from bagua_algos.compression import orthogonalization
+
+    orthogonalization.prepare("auto", "cpu")
     return run_workers(_checks, WORKERS, timeout=150)
 
 

@@ -91,6 +91,7 @@ __all__ = [
     "subtract_reconstruction_",
     "keep_nonzero_columns",
     "power_iteration",
+    "p_buffer",
     "Factors",
     "compression_summary",
     "stable_seed",
@@ -342,6 +343,7 @@ def power_iteration(
     orthogonalization: str = "auto",
     epsilon: float = DEFAULT_EPSILON,
     p_extra: Optional[torch.Tensor] = None,
+    products: Optional[Tuple[torch.Tensor, List[torch.Tensor]]] = None,
 ) -> Factors:
     """One step of subspace iteration on batches of matrices, averaged over the workers:
 
@@ -354,16 +356,20 @@ def power_iteration(
     stacks them), and each packed buffer is [..., total] in the batches' order, so
     ``allreduce_mean`` averages it over the workers in place. ``p_extra`` ([..., k])
     rides at the end of the P buffer and is overwritten with its average (and
-    ``p_extra_on_host`` reads it on the host, waiting for the P allreduce only). Neither ``a``
-    nor ``q`` is modified: keeping the new Q's is the caller's choice (warm start).
+    ``p_extra_on_host`` reads it on the host, waiting for the P allreduce only).
+    ``products``, when given, is :func:`p_buffer`'s buffer and views already holding the
+    products A_k·Q_k (a caller that computes each while it forms A_k, still in cache);
+    else they are computed here. Neither ``a`` nor ``q`` is modified: keeping the new
+    Q's is the caller's choice (warm start).
     """
     lead = a[0].shape[:-3]
     dtype, device = a[0].dtype, a[0].device
     extra = 0 if p_extra is None else p_extra.shape[-1]
-    p_shapes = [(*batch.shape[-3:-1], q_k.shape[-1]) for batch, q_k in zip(a, q)]
-    p_flat, ps = _packed(p_shapes, lead, extra, dtype, device)
-    for a_k, q_k, p_k in zip(a, q, ps):
-        compute_p(a_k, q_k, out=p_k)
+    if products is None:
+        products = p_buffer(a, q, extra)
+        for a_k, q_k, p_k in zip(a, q, products[1]):
+            compute_p(a_k, q_k, out=p_k)
+    p_flat, ps = products
     if extra:
         p_flat[..., p_flat.shape[-1] - extra :].copy_(p_extra)
     allreduce_mean(p_flat)
@@ -379,6 +385,15 @@ def power_iteration(
     allreduce_mean(q_flat)
     return Factors(ps, qs, p_flat.numel() * p_flat.element_size(), q_flat.numel() * q_flat.element_size(),
                    extra_on_host)
+
+
+def p_buffer(a: Sequence[torch.Tensor], q: Sequence[torch.Tensor], extra: int = 0
+             ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """The buffer :func:`power_iteration` averages the P's in, [..., Σ_k b_k·n_k·r_k +
+    ``extra``] in A's dtype and device, and each P_k's [..., b_k, n_k, r_k] view of it
+    (``a`` and ``q`` as there; only their shapes are read)."""
+    shapes = [(*a_k.shape[-3:-1], q_k.shape[-1]) for a_k, q_k in zip(a, q)]
+    return _packed(shapes, a[0].shape[:-3], extra, a[0].dtype, a[0].device)
 
 
 def _packed(shapes, lead, extra: int, dtype, device) -> Tuple[torch.Tensor, List[torch.Tensor]]:
@@ -401,6 +416,8 @@ def _each_matrix(tensor: torch.Tensor) -> List[torch.Tensor]:
     """The 2-D matrices of a [..., x, y] tensor, as views, in order."""
     if tensor.dim() == 2:
         return [tensor]
+    if tensor.dim() == 3:
+        return list(tensor.unbind(0))
     return [matrix for sub in tensor.unbind(0) for matrix in _each_matrix(sub)]
 
 
@@ -415,9 +432,10 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None
     """a[j] @ b[j] for every matrix j: one ``torch.bmm`` on GPUs (one launch); on CPU one
     product per matrix, which is as fast at r ≥ 4 and 4–17× faster at r = 1 (torch's
     CPU bmm has no matrix-vector path). On CPU a result with 2 to 64 columns (P = A·Q,
-    Q = Aᵀ·P at r ≥ 2) is computed transposed, (bᵀ aᵀ)ᵀ, and copied into place: MKL's
-    GEMM is 2–10× faster that way round for these skinny products (ResNet-18's layers,
-    one thread; measured for issue 19)."""
+    Q = Aᵀ·P at r ≥ 2) is computed transposed, (bᵀ aᵀ)ᵀ with bᵀ made contiguous, and
+    copied into place: MKL's GEMM is 2–10× faster that way round for these skinny
+    products (ResNet-18's layers, one thread; measured for issue 19), and a contiguous
+    Qᵀ makes P = A·Q 1.4× faster again at r = 2 (issue 27)."""
     if _batched(a):
         if a.dim() == 3:
             return torch.bmm(a, b, out=out)
@@ -427,7 +445,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None
     transposed = 2 <= b.shape[-1] <= 64
     for a_j, b_j, out_j in zip(_each_matrix(a), _each_matrix(b), _each_matrix(out)):
         if transposed:
-            out_j.copy_(torch.mm(b_j.t(), a_j.t()).t())
+            out_j.copy_(torch.mm(b_j.t().contiguous(), a_j.t()).t())
         else:
             torch.mm(a_j, b_j, out=out_j)
     return out
@@ -474,12 +492,12 @@ def compress_aggregate(
     """One PowerSGD step on a bucket's gradients ``grads`` (shapes of ``plan``), in place:
 
         1. start one packed allreduce-mean of the uncompressed tensors     _start_uncompressed
-        2. A ← G + λ·e for every compressed tensor, one batch per shape     _form_a
-        3. without warm start: Q ← N(0, 1), from the generator in ``state``  _redraw_qs
-        4-6. P ← mean_w(A·Q), orthogonalized; Q ← mean_w(Aᵀ·P)                power_iteration
-        7. e ← A − P·Qᵀ, G ← P·Qᵀ                                           _apply_update
-        8. with warm start: keep Q (a zero column keeps its old value)      keep_nonzero_columns
-        9. wait for step 1's allreduce and unpack it into ``grads``          _finish_uncompressed
+        2. without warm start: Q ← N(0, 1), from the generator in ``state``  _redraw_qs
+        3. A ← G + λ·e and P ← A·Q for every compressed tensor              _form_a_and_p
+        4. P ← mean_w P, orthogonalized; Q ← mean_w(Aᵀ·P)                   power_iteration
+        5. e ← A − P·Qᵀ, G ← P·Qᵀ                                           _apply_update
+        6. with warm start: keep Q (a zero column keeps its old value)      keep_nonzero_columns
+        7. wait for step 1's allreduce and unpack it into ``grads``          _finish_uncompressed
 
     Afterwards every compressed ``grads[i]`` holds the aggregated rank-r update M̃_i,
     every uncompressed one the plain mean over workers, and ``state`` the new Q's and
@@ -502,11 +520,11 @@ def compress_aggregate(
     uncompressed = _start_uncompressed(plan, grads, allreduce_mean, start_allreduce_mean)
     bytes_sent.uncompressed = uncompressed.bytes
     if plan.groups:
-        groups = _form_a(plan, grads, state, options)
         if not options.warm_start:
-            _redraw_qs(plan, state, groups[0].a.dtype, groups[0].a.device)
+            _redraw_qs(plan, state, grads)
+        groups, products = _form_a_and_p(plan, grads, state, options, 0 if p_extra is None else p_extra.numel())
         factors = power_iteration([g.a for g in groups], [state["q"][g.spec.key] for g in groups], allreduce_mean,
-                                  options.orthogonalization, options.epsilon, p_extra)
+                                  options.orthogonalization, options.epsilon, p_extra, products)
         bytes_sent.p, bytes_sent.q = factors.p_bytes, factors.q_bytes
         bytes_sent.p_extra_on_host = factors.p_extra_on_host
         _apply_update(groups, factors, out, options)
@@ -613,7 +631,7 @@ class _Pending:
 
 
 def _finish_uncompressed(plan: BucketPlan, grads, pending: _Pending) -> None:
-    """Step 9: wait for the uncompressed tensors' allreduce and copy the means back."""
+    """Step 7: wait for the uncompressed tensors' allreduce and copy the means back."""
     if pending.packed is None:
         return
     if pending.handle is not None:
@@ -627,53 +645,78 @@ def _finish_uncompressed(plan: BucketPlan, grads, pending: _Pending) -> None:
     torch._foreach_copy_(targets, sources)
 
 
-def _form_a(plan: BucketPlan, grads, state: dict, options: PowerSGDOptions) -> List[_GroupStep]:
-    """Step 2: A = G + λ·e for every shape group, in the compute dtype.
+def _form_a_and_p(plan: BucketPlan, grads, state: dict, options: PowerSGDOptions, extra: int
+                  ) -> Tuple[List[_GroupStep], Tuple[torch.Tensor, List[torch.Tensor]]]:
+    """Step 3: A = G + λ·e for every shape group, in the compute dtype, and P = A·Q into
+    a :func:`p_buffer` with ``extra`` free elements at its end (returned with the groups).
 
     Side effects: with a separate error buffer and gradients in the compute dtype, A is
-    formed in the error buffer (``state["error"]`` then holds A, until step 7 makes it
-    the new error). With ``error_in_grad`` the gradients already hold A. Nothing else is
+    formed in the error buffer (``state["error"]`` holds A until step 5 makes it the new
+    error): on CPU matrix by matrix, each product reading its A while it is still in
+    cache (about 1 ms of a ResNet-18 step, one thread), on GPUs one kernel or _foreach op
+    per group. With ``error_in_grad`` the gradients already hold A. Nothing else is
     written."""
     dtype = grads[plan.groups[0].members[0]].dtype
     cdtype = compute_dtype(dtype)
     error = state.get("error") if options.error_feedback and not options.error_in_grad else None
     decay = options.error_decay
-    steps = []
+    steps, addends = [], []  # addends: G where A = G + λ·e is still to be formed in e
     for spec in plan.groups:
         g = _Matrices.of(grads, spec)
         if error is None:  # A is G (error_in_grad: G holds G + λe already)
             keeps_error = options.error_in_grad and options.error_feedback
             steps.append(_GroupStep(spec, g, g.read(cdtype), g if keeps_error else None))
-            continue
-        e = _Matrices.from_batch(_group_error(error, spec))
-        if dtype == cdtype:  # A formed in the error buffer, in one pass
-            if g.batch is not None:
-                torch.add(g.batch, e.batch, alpha=decay, out=e.batch)
-            else:
-                _foreach_add_scaled_(e.list, g.list, decay)
-            a = e.batch
+            addends.append(None)
+        elif dtype == cdtype:  # A formed in the error buffer, in one pass, below
+            e = _group_error(error, spec)
+            steps.append(_GroupStep(spec, g, e, _Matrices.from_batch(e)))
+            addends.append(g)
         else:
+            e = _group_error(error, spec)
             a = g.read(cdtype)
             if decay != 0.0:
-                a.add_(e.batch.to(cdtype), alpha=decay)
-        steps.append(_GroupStep(spec, g, a, e))
-    return steps
+                a.add_(e.to(cdtype), alpha=decay)
+            steps.append(_GroupStep(spec, g, a, _Matrices.from_batch(e)))
+            addends.append(None)
+    qs = [state["q"][step.spec.key] for step in steps]
+    products = p_buffer([step.a for step in steps], qs, extra)
+    for step, g, q, p in zip(steps, addends, qs, products[1]):
+        if g is not None and not _batched(step.a):
+            for a_j, g_j, q_j, p_j in zip(step.error.list, g.list, q.unbind(0), p.unbind(0)):
+                torch.add(g_j, a_j, alpha=decay, out=a_j)
+                compute_p(a_j, q_j, out=p_j)
+            continue
+        if g is not None:
+            if g.batch is not None:
+                torch.add(g.batch, step.a, alpha=decay, out=step.a)
+            else:
+                _foreach_add_scaled_(step.error.list, g.list, decay)
+        compute_p(step.a, q, out=p)
+    return steps, products
 
 
-def _redraw_qs(plan: BucketPlan, state: dict, dtype, device) -> None:
-    """Step 3 (no warm start): every Q redrawn from N(0, 1) with the generator saved in
-    ``state``, whose new state is saved back."""
+def _redraw_qs(plan: BucketPlan, state: dict, grads) -> None:
+    """Step 2 (no warm start): every Q redrawn from N(0, 1) with the generator saved in
+    ``state`` (whose new state is saved back), in the gradients' compute dtype, on their
+    device."""
     generator = _generator_from(state)
-    state["q"].update(_draw_qs(plan, generator, dtype, device))
+    first = grads[plan.groups[0].members[0]]
+    state["q"].update(_draw_qs(plan, generator, compute_dtype(first.dtype), first.device))
     state["rng_state"] = generator.get_state()
 
 
 def _apply_update(groups: List[_GroupStep], factors: Factors, out, options: PowerSGDOptions) -> None:
-    """Step 7: the error keeps what the update misses, e ← A − P·Qᵀ (in place where A is
+    """Step 5: the error keeps what the update misses, e ← A − P·Qᵀ (in place where A is
     the error's storage, else computed in A and copied), and the update P·Qᵀ is written
     to the gradients, or with ``error_in_grad`` to ``out`` (the gradients then hold the
     error, or zeros without error feedback)."""
     for group, p, q in zip(groups, factors.p, factors.q):
+        if _subtracts_written_update(group, p, options):
+            # G ← P·Qᵀ, then e ← e − G, matrix by matrix while G is still in cache
+            for a_j, g_j, p_j, q_j in zip(group.a.unbind(0), group.grads.list, p.unbind(0), q.unbind(0)):
+                reconstruct(p_j, q_j, out=g_j)
+                a_j.sub_(g_j)
+            continue
         if group.error is not None:
             subtract_reconstruction_(group.a, p, q)
             if group.a is not group.error.batch:
@@ -684,6 +727,17 @@ def _apply_update(groups: List[_GroupStep], factors: Factors, out, options: Powe
                 group.grads.zero_()
         else:
             group.grads.write_reconstruction(p, q)
+
+
+def _subtracts_written_update(group: _GroupStep, p: torch.Tensor, options: PowerSGDOptions) -> bool:
+    """Whether step 5 writes G ← P·Qᵀ first and then subtracts G from e (A's storage)
+    instead of recomputing the product in ``addmm_``: on CPU at r ≥ 2, where MKL's
+    GEMM with so few inner terms is slower than reading G again (r = 4, 8: about
+    7 ms against 4.5 ms for ResNet-18's matrices, one thread); not at r = 1, where
+    ``addmm_`` is the faster. Needs A in the error buffer and gradients written
+    directly (the compute dtype)."""
+    return (not _batched(p) and p.shape[-1] >= 2 and not options.error_in_grad and group.error is not None
+            and group.a is group.error.batch and group.grads.list[0].dtype == p.dtype)
 
 
 def _host_copy(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:

@@ -181,10 +181,14 @@ def bench_compress(ranks, steps: int, warmup: int, device="cpu", model_name: str
 
 def _ours(buckets, flats, rank: int, device):
     """Our step on every bucket (one plan and state per bucket, gradients as views into
-    the bucket's buffer, as the algorithm and the DDP hook call it), and its buffers."""
+    the bucket's buffer, as the algorithm and the DDP hook call it), and its buffers.
+    The orthogonalization is prepared as the algorithm prepares it (cuda_ext built the
+    first time)."""
+    from bagua_algos.compression import orthogonalization
     from bagua_algos.compression import powersgd as psgd
     from bagua_algos.runtime import comm
 
+    orthogonalization.prepare("auto", device)
     options = psgd.PowerSGDOptions(orthogonalization="auto")
     buffers = [flat.clone() for flat in flats]
     per_bucket = []

@@ -56,6 +56,12 @@ view, else through ``torch._foreach_*`` ops; the P's of all groups are orthogona
 in one call (one kernel launch with cuda_ext on CUDA). Nothing in a step waits for the
 GPU: no ``.item()``, no branch on a tensor's values, no blocking host copy.
 
+On CPU (one thread, memory-bound): the products are one ``torch.mm`` per matrix; A is
+formed matrix by matrix just before its P = A·Q, which then reads it from cache; and at
+r ≥ 2 the update is written to G first and subtracted from e, where MKL's small-k GEMM
+is the slow part (see :func:`_matmul`, :func:`_form_a_and_p`,
+:func:`_subtracts_written_update`; figures in docs/benchmarks.md, issue 27).
+
 Random draws (the initial Q's; every Q without warm start) come from a CPU generator
 seeded with ``seed`` and are then moved to the gradients' device, so one seed gives the
 same Q's, and the same training up to rounding, on CPU and CUDA.
@@ -443,7 +449,11 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None
     if out is None:
         out = torch.empty(*a.shape[:-1], b.shape[-1], dtype=a.dtype, device=a.device)
     transposed = 2 <= b.shape[-1] <= 64
-    for a_j, b_j, out_j in zip(_each_matrix(a), _each_matrix(b), _each_matrix(out)):
+    if a.dim() == 2:  # the per-matrix loops' common case, without the loop's overhead
+        pairs = ((a, b, out),)
+    else:
+        pairs = zip(_each_matrix(a), _each_matrix(b), _each_matrix(out))
+    for a_j, b_j, out_j in pairs:
         if transposed:
             out_j.copy_(torch.mm(b_j.t().contiguous(), a_j.t()).t())
         else:

@@ -163,20 +163,44 @@ def describe_device(device: torch.device) -> str:
 
 def bench_compress(ranks, steps: int, warmup: int, device="cpu", model_name: str = "cifar_resnet18",
                    bucket_mb: float = 25.0) -> list[dict]:
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
-
-    from bagua_algos.compression import powersgd as psgd
-    from bagua_algos.runtime import comm
-
     device = torch.device(device)
     _, params = _resnet_gradients(model_name=model_name, device=device)
     buckets = _buckets(params, bucket_mb)
     flats = [torch.cat([p.grad.reshape(-1) for p in bucket]) for bucket in buckets]
-    on_cuda = device.type == "cuda"
+    rows = []
+    for rank in ranks:
+        runs = (("ours", *_ours(buckets, flats, rank, device)),
+                ("torch", *_torch_hook(buckets, flats, rank, batched=False)),
+                ("torch_batched", *_torch_hook(buckets, flats, rank, batched=True)))
+        med = _median_seconds(runs, flats, steps, warmup, device)
+        rows.append({"rank": rank, "ours_ms": 1e3 * med["ours"], "torch_ms": 1e3 * med["torch"],
+                     "ratio": med["ours"] / med["torch"], "torch_batched_ms": 1e3 * med["torch_batched"],
+                     "ratio_batched": med["ours"] / med["torch_batched"], "buckets": len(buckets)})
+    return rows
 
-    def sync():
-        if on_cuda:
-            torch.cuda.synchronize(device)
+
+def _ours(buckets, flats, rank: int, device):
+    """Our step on every bucket (one plan and state per bucket, gradients as views into
+    the bucket's buffer, as the algorithm and the DDP hook call it), and its buffers.
+    The orthogonalization is prepared as the algorithm prepares it (cuda_ext built the
+    first time)."""
+    from bagua_algos.compression import orthogonalization
+    from bagua_algos.compression import powersgd as psgd
+    from bagua_algos.runtime import comm
+
+    orthogonalization.prepare("auto", device)
+    options = psgd.PowerSGDOptions(orthogonalization="auto")
+    buffers = [flat.clone() for flat in flats]
+    per_bucket = []
+    for index, (bucket, buffer) in enumerate(zip(buckets, buffers)):
+        shapes = [p.shape for p in bucket]
+        plan = psgd.make_plan(shapes, rank, 2.0)
+        state = psgd.init_state(plan, index, buffer.dtype, device, True)
+        grads, offset = [], 0
+        for s in shapes:
+            grads.append(buffer[offset : offset + s.numel()].view(s))
+            offset += s.numel()
+        per_bucket.append((plan, state, grads))
 
     def mean(t):
         comm.allreduce_inplace(t, comm.ReduceOp.AVG)
@@ -184,67 +208,58 @@ def bench_compress(ranks, steps: int, warmup: int, device="cpu", model_name: str
     def start(t):
         return comm.allreduce_inplace(t, comm.ReduceOp.AVG, async_op=True)
 
-    rows = []
-    for rank in ranks:
-        # ours: one plan and state per bucket, gradients as views into the bucket's buffer
-        options = psgd.PowerSGDOptions(orthogonalization="auto")
-        ours_buffers = [flat.clone() for flat in flats]
-        ours_buckets = []
-        for index, (bucket, buffer) in enumerate(zip(buckets, ours_buffers)):
-            shapes = [p.shape for p in bucket]
-            plan = psgd.make_plan(shapes, rank, 2.0)
-            state = psgd.init_state(plan, index, buffer.dtype, device, True)
-            grads, offset = [], 0
-            for s in shapes:
-                grads.append(buffer[offset : offset + s.numel()].view(s))
-                offset += s.numel()
-            ours_buckets.append((plan, state, grads))
+    def step():
+        for plan, state, grads in per_bucket:
+            psgd.compress_aggregate(plan, grads, state, options, mean, start)
 
-        def ours():
-            for plan, state, grads in ours_buckets:
-                psgd.compress_aggregate(plan, grads, state, options, mean, start)
+    return step, buffers
 
-        # torch's hook (start at its first compressed step: start_powerSGD_iter must be ≥ 2
-        # with error feedback, so its iter is set past it)
-        def torch_variant(batched: bool):
-            tstate = torch_psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
-                                              start_powerSGD_iter=2, min_compression_rate=2.0,
-                                              use_error_feedback=True, warm_start=True,
-                                              orthogonalization_epsilon=1e-8, batch_tensors_with_same_shape=batched)
-            tstate.iter = 2
-            tbuffers = [flat.clone() for flat in flats]
-            tbuckets = [_Bucket(buffer, bucket, index, index == len(buckets) - 1)
-                        for index, (buffer, bucket) in enumerate(zip(tbuffers, buckets))]
 
-            def theirs():
-                for tbucket in tbuckets:
-                    torch_psgd.powerSGD_hook(tstate, tbucket).wait()
+def _torch_hook(buckets, flats, rank: int, batched: bool):
+    """torch's powerSGD_hook on every bucket, and its buffers. It starts at its first
+    compressed step: start_powerSGD_iter must be ≥ 2 with error feedback, so its iter
+    is set past it."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
-            return theirs, tbuffers
+    state = torch_psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
+                                     min_compression_rate=2.0, use_error_feedback=True, warm_start=True,
+                                     orthogonalization_epsilon=1e-8, batch_tensors_with_same_shape=batched)
+    state.iter = 2
+    buffers = [flat.clone() for flat in flats]
+    hook_buckets = [_Bucket(buffer, bucket, index, index == len(buckets) - 1)
+                    for index, (buffer, bucket) in enumerate(zip(buffers, buckets))]
 
-        torch_fn, torch_buffers = torch_variant(False)
-        batched_fn, batched_buffers = torch_variant(True)
-        runs = (("ours", ours, ours_buffers), ("torch", torch_fn, torch_buffers),
-                ("torch_batched", batched_fn, batched_buffers))
-        times = {name: [] for name, _, _ in runs}
-        guard = guard_cuda_synchronize_for_cpu() if device.type == "cpu" else contextlib.nullcontext()
-        with guard:
-            for i in range(warmup + steps):
-                for name, fn, bufs in runs:
-                    for buf, flat in zip(bufs, flats):
-                        buf.copy_(flat)
-                    sync()
-                    start_t = time.perf_counter()
-                    fn()
-                    sync()
-                    elapsed = time.perf_counter() - start_t
-                    if i >= warmup:
-                        times[name].append(elapsed)
-        med = {name: statistics.median(values) for name, values in times.items()}
-        rows.append({"rank": rank, "ours_ms": 1e3 * med["ours"], "torch_ms": 1e3 * med["torch"],
-                     "ratio": med["ours"] / med["torch"], "torch_batched_ms": 1e3 * med["torch_batched"],
-                     "ratio_batched": med["ours"] / med["torch_batched"], "buckets": len(buckets)})
-    return rows
+    def step():
+        for hook_bucket in hook_buckets:
+            torch_psgd.powerSGD_hook(state, hook_bucket).wait()
+
+    return step, buffers
+
+
+def _median_seconds(runs, flats, steps: int, warmup: int, device) -> dict:
+    """The median seconds per step of each (name, step, buffers) of ``runs``, interleaved
+    step by step; each step starts from the same gradients (``flats``). On CUDA each
+    timed step ends with a synchronize."""
+    on_cuda = device.type == "cuda"
+
+    def sync():
+        if on_cuda:
+            torch.cuda.synchronize(device)
+
+    times = {name: [] for name, _, _ in runs}
+    guard = guard_cuda_synchronize_for_cpu() if device.type == "cpu" else contextlib.nullcontext()
+    with guard:
+        for i in range(warmup + steps):
+            for name, step, buffers in runs:
+                for buffer, flat in zip(buffers, flats):
+                    buffer.copy_(flat)
+                sync()
+                started = time.perf_counter()
+                step()
+                sync()
+                if i >= warmup:
+                    times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def bench_memory(steps: int) -> list[dict]:
@@ -320,7 +335,9 @@ def _report(args, device) -> None:
         from bagua_algos.compression import orthogonalization
 
         ranks = [int(r) for r in args.ranks.split(",")]
-        method = orthogonalization.prepare("auto", device)
+        started = time.perf_counter()
+        method = orthogonalization.prepare("auto", device)  # builds cuda_ext the first time
+        prepare_s = time.perf_counter() - started
         if method == "householder":
             import cuda_ext
 
@@ -330,7 +347,8 @@ def _report(args, device) -> None:
             method = f"{method} for r >= 2, {for_r1} for r = 1"
         rows = bench_compress(ranks, args.steps, args.warmup, device, args.model, args.bucket_mb)
         print(f"device: {describe_device(device)}; torch {torch.__version__}; {args.model} gradients in "
-              f"{rows[0]['buckets']} bucket(s) of <= {args.bucket_mb:g} MB; our orthogonalization auto = {method}; "
+              f"{rows[0]['buckets']} bucket(s) of <= {args.bucket_mb:g} MB; our orthogonalization auto = {method} "
+              f"(prepared in {prepare_s:.2f} s); "
               f"median of {args.steps} steps after {args.warmup}")
         print("rank  ours ms   torch ms  ours/torch  torch batched ms  ours/torch batched")
         for row in rows:

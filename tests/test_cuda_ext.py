@@ -371,7 +371,14 @@ def test_orthogonalization_householder_uses_the_extension(cpu_ext):
     direct = cpu_ext(inputs)
     assert all(torch.equal(x, y) for x, y in zip(via_module, direct))
     assert cuda_ext.is_loaded("cpu") and cuda_ext.is_available("cpu")
-    assert orthogonalize(inputs, "auto")[0].shape == (64, 4)
+    # Once loaded (prepare loads it), CPU's "auto" is the extension below WIDE_RANK.
+    from bagua_algos.compression import orthogonalization
+
+    assert orthogonalization.prepare("auto", "cpu") == "householder"
+    assert all(torch.equal(x, y) for x, y in zip(orthogonalize(inputs, "auto"), direct))
+    batches = [torch.stack([inputs[0], inputs[2]]), inputs[1].unsqueeze(0).clone()]
+    orthogonalization.orthogonalize_batches_(batches, "auto")
+    assert torch.equal(batches[0][1], direct[2]) and torch.equal(batches[1][0], direct[1])
 
 
 # --- the fallback when the extension cannot be built -----------------------------------
@@ -399,10 +406,12 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch):
     for a, q in zip(inputs, first):
         assert torch.allclose(q, torch.linalg.qr(a).Q)
     assert torch.allclose(second[1], torch.linalg.qr(inputs[0]).Q)
-    # On CPU "auto" does not try to build: while nothing is loaded, batched torch QR for
-    # r ≥ 2, Gram–Schmidt for r = 1. On GPUs it is the compiled Householder QR (built on
-    # first use; its batched torch twin when that fails), never a per-matrix loop.
+    # "auto" is the extension wherever it is loaded; prepare() builds it on GPUs only (on
+    # CPU "auto" never compiles). Without it, on CPU: batched torch QR for r ≥ 2, Gram–Schmidt for r = 1.
+    # On GPUs it is the compiled Householder QR (its batched torch twin when the build
+    # fails), never a per-matrix loop.
     cpu = {torch.device("cpu")}
+    assert orthogonalization.prepare("auto", "cpu") == "torch_qr"
     assert orthogonalization._resolve("auto", cpu, 1) == "gram_schmidt"
     assert orthogonalization._resolve("auto", cpu, 4) == "torch_qr"
     assert orthogonalization._resolve("auto", {torch.device("cuda", 0)}, 4) == "householder"

@@ -32,11 +32,18 @@ Methods (``METHODS``):
   (the extension's math step for step, batched over every matrix of a call, so it
   agrees with the extension to rounding, zero columns included; a column dependent
   only up to rounding becomes some unit column in both, not necessarily the same).
-- ``"auto"``: on GPUs ``"householder"`` (the extension is built on first use; the
-  batched torch twin if it cannot be: never a loop over matrices); on CPU
-  ``"householder"`` when the extension is already loaded (it is never built just for
-  "auto" there), else ``"torch_qr"`` for r ≥ 2 and ``"gram_schmidt"`` for r = 1
-  (measured: docs/benchmarks.md, issue 9).
+- ``"auto"``: ``"householder"`` wherever the extension is loaded: on GPUs it is one
+  launch for all matrices, and on CPU, once built, it takes 0.05–0.40× the time of
+  torch's per-layer loop on PowerSGD's P factors (docs/benchmarks.md, issues 9, 19, 27).
+  On GPUs :func:`prepare` loads it, building it the first time, and PowerSGD calls
+  :func:`prepare` when it sets up its buckets, so a step never waits for a compiler. On
+  CPU "auto" never builds it (its first build takes 70–170 s on a 2-core machine, more
+  than a small run takes): it is used once something has loaded it (``"householder"``
+  asked for explicitly, or ``prepare("householder", "cpu")``).
+  Where it is not loaded (it cannot be built, or nothing prepared it): on GPUs the
+  batched torch twin (never a loop over matrices); on CPU ``"torch_qr"`` for r ≥ 2 and
+  ``"gram_schmidt"`` for r = 1, the fastest torch methods there (issue 9). From r ≥
+  ``WIDE_RANK`` ``"torch_qr"`` on every device.
 
 :func:`orthogonalize_batches_` orthogonalizes several batches of different shapes in
 place in one call (what PowerSGD does with the P factors of a bucket): one kernel
@@ -236,9 +243,13 @@ def _load_extension(devices, requested: str = "householder"):
         if not _extension_failure_warned:
             _extension_failure_warned = True
             on_gpu = any(torch.device(d).type != "cpu" for d in devices)
-            instead = ("a batched Householder QR in torch (householder_torch: the same math, about 20·r "
-                       "kernel launches per call instead of one)" if on_gpu
-                       else "torch.linalg.qr (the same Householder QR, in torch)")
+            if on_gpu:
+                instead = ("a batched Householder QR in torch (householder_torch: the same math, about 20·r "
+                           "kernel launches per call instead of one)")
+            elif requested == "auto":
+                instead = "torch.linalg.qr for r >= 2 and Gram-Schmidt for r = 1"
+            else:
+                instead = "torch.linalg.qr (the same Householder QR, in torch)"
             warnings.warn(
                 f"orthogonalization={requested!r}: the cuda_ext extension is not available ({error}); "
                 f"using {instead} instead",
@@ -277,11 +288,11 @@ WIDE_RANK = 16
 
 
 def _resolve(method: str, devices, rank=None) -> str:
-    """The method "auto" stands for. For r >= WIDE_RANK ``torch.linalg.qr`` on every
-    device. Below it, on GPUs the compiled Householder QR (one launch for
-    all matrices; where it cannot be built, its batched torch twin). On CPU, measured
-    (docs/benchmarks.md, issue 9): the extension when it is already loaded; else
-    batched ``torch.linalg.qr`` for r ≥ 2 (0.1–1.0× torch's per-layer loop on
+    """The method "auto" stands for (never builds anything). For r >= WIDE_RANK
+    ``torch.linalg.qr`` on every device. Below it the compiled Householder QR on GPUs
+    (where it cannot be built, its batched torch twin) and on CPU where it is loaded
+    (:func:`prepare` loads it). On CPU without it, measured (docs/benchmarks.md,
+    issue 9): batched ``torch.linalg.qr`` for r ≥ 2 (0.1–1.0× torch's per-layer loop on
     ResNet-18's P factors, where Gram–Schmidt was 0.5–5.5×) and Gram–Schmidt for r = 1."""
     check_method(method)
     if method == "auto":
@@ -296,14 +307,16 @@ def _resolve(method: str, devices, rank=None) -> str:
 
 
 def prepare(method: str, device) -> str:
-    """Load (on GPUs: build, the first time) what ``method`` needs on ``device`` before
-    the first step, so a training step never waits for a compiler; returns the method
-    "auto" stands for there (for r ≥ 2)."""
+    """Load what ``method`` needs on ``device`` before the first step, building the
+    extension the first time for ``"householder"`` (and for ``"auto"`` on GPUs; on CPU
+    "auto" never builds it, see the module's notes), so a training step never waits for
+    a compiler; where it cannot be built, warn once and leave the torch fallback.
+    Returns the method "auto" then stands for there (for 2 ≤ r < WIDE_RANK)."""
     device = torch.device(device)
-    resolved = _resolve(method, {device}, 2)
-    if resolved == "householder":
+    check_method(method)
+    if method == "householder" or (method == "auto" and device.type != "cpu"):
         _load_extension({device}, method)
-    return resolved
+    return _resolve(method, {device}, 2)
 
 
 # --- entry points ------------------------------------------------------------------------

@@ -373,6 +373,42 @@ def test_batched_products_and_layouts_give_the_same_steps(monkeypatch, mode, dty
                 torch.testing.assert_close(state["error"], ref_state["error"], rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_step_math_on_a_stacked_worker_dimension(monkeypatch, batched):
+    """The math of one step on plain tensors, workers stacked along a leading dimension
+    and the allreduce a mean over it (what a vectorised form of the algorithm does):
+    every worker ends with the factors of one step on mean_w(A) (Lemma 3), and the
+    update and error functions agree with compress_aggregate's."""
+    monkeypatch.setattr(psgd, "BATCHED_ON_CPU", batched)
+    g = torch.Generator().manual_seed(11)
+    workers, shapes = 3, [(2, 9, 7), (1, 5, 12)]  # (b, n, m) per shape group
+    a = [torch.randn(workers, *shape, generator=g, dtype=torch.float64) for shape in shapes]
+    q = [torch.randn(b, m, 2, generator=g, dtype=torch.float64) for b, _, m in shapes]
+    stacked_q = [q_k.expand(workers, *q_k.shape).clone() for q_k in q]
+    extra = torch.arange(workers, dtype=torch.float64).view(workers, 1)
+
+    def mean_over_workers(t):
+        t.copy_(t.mean(0, keepdim=True).expand_as(t))
+
+    stacked = psgd.power_iteration(a, stacked_q, mean_over_workers, "gram_schmidt", p_extra=extra)
+    single = psgd.power_iteration([a_k.mean(0) for a_k in a], q, lambda t: None, "gram_schmidt")
+    assert torch.equal(extra, torch.full((workers, 1), 1.0, dtype=torch.float64))
+    assert stacked.p_bytes == workers * 8 * (2 * 9 * 2 + 5 * 2 + 1) and stacked.q_bytes == workers * 8 * (2 * 7 * 2 + 12 * 2)
+    for w in range(workers):
+        for ps, p1, qs, q1 in zip(stacked.p, single.p, stacked.q, single.q):
+            torch.testing.assert_close(ps[w], p1, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(qs[w], q1, rtol=1e-12, atol=1e-12)
+    for a_k, p_k, q_k in zip(a, stacked.p, stacked.q):
+        update = psgd.reconstruct(p_k, q_k)
+        torch.testing.assert_close(update, p_k @ q_k.transpose(-2, -1), rtol=1e-12, atol=1e-12)
+        error = psgd.subtract_reconstruction_(a_k.clone(), p_k, q_k)
+        torch.testing.assert_close(error, a_k - update, rtol=1e-12, atol=1e-12)
+    zero_column = stacked.q[0].clone()
+    zero_column[..., 1] = 0
+    kept = psgd.keep_nonzero_columns(zero_column, stacked_q[0])
+    assert torch.equal(kept[..., 1], stacked_q[0][..., 1]) and torch.equal(kept[..., 0], stacked.q[0][..., 0])
+
+
 def test_same_shape_gradients_of_a_bucket_are_read_through_one_view():
     equal = [(6, 4), (3,), (6, 2, 2), (3,), (6, 4)]  # (6, 2, 2) is a 6 × 4 matrix too
     plan = psgd.make_plan(equal, 2, 1.0)

@@ -74,8 +74,10 @@ ASYNC_ERROR_MODES = (None, "full", "adaptive")
 class PowerSGDAlgorithmImpl(AlgorithmImpl):
     def __init__(self, process_group, settings: "PowerSGDAlgorithm"):
         super().__init__(process_group)
+
+        # --- settings (fixed for the algorithm's life) -------------------------------------
         self.settings = settings
-        self.rank_r = settings.rank
+        """The validated constructor arguments (``PowerSGDAlgorithm``)."""
         self.options = psgd.PowerSGDOptions(
             warm_start=settings.warm_start,
             error_feedback=settings.error_feedback,
@@ -84,23 +86,56 @@ class PowerSGDAlgorithmImpl(AlgorithmImpl):
             epsilon=settings.epsilon,
             error_in_grad=settings.error_in_grad,
         )
+        """What ``compression.powersgd.compress_aggregate`` needs of the settings."""
+
+        # --- per bucket, set by init_operations (the state proper is in bucket.state) ------
         self._plans: dict = {}
-        self._compressed_params: dict = {}  # bucket name → [(tensor index, parameter)]
+        """bucket name → ``BucketPlan``: which tensors are compressed, shape groups, offsets."""
+        self._compressed_params: dict = {}
+        """bucket name → [(tensor index in the bucket, parameter)] of the compressed tensors."""
+
+        # --- async_error: error averages in flight ------------------------------------------
         self._async_handles: dict = {}
+        """bucket name → handle of the error (slice) allreduce started by the last op;
+        the next op, a checkpoint or Nesterov's move waits for it first."""
+
+        # --- nesterov: weights moved to w − λ_n·e for the forward, restored after backward -
         self._nesterov_backup: dict = {}
-        self._approx_buffers: dict = {}
-        self._probes: dict = {}
-        self._erased_checks: list = []
-        self._error_held = False
+        """id(parameter) → the copy of w taken before the move."""
         self._nesterov_moved = False
+        """Whether the parameters are moved now (so post-backward restores them)."""
+
+        # --- error_in_grad: the error lives in p.grad between steps -------------------------
+        self._approx_buffers: dict = {}
+        """bucket name → (flat buffer, {tensor index: view}) holding the update P·Qᵀ from
+        the op until optimizer.step() has read it (p.grad points to it meanwhile)."""
+        self._probes: dict = {}
+        """bucket name → (tensor index, entry position, "was it nonzero"): one error entry
+        watched to catch a zero_grad between steps (kept on the device)."""
+        self._erased_checks: list = []
+        """(name, pinned host flag, CUDA event) of probe reads queued before a forward,
+        read after backward (CUDA only)."""
+        self._error_held = False
+        """Whether p.grad holds the error now (set after the first optimizer step)."""
+
+        # --- byte counters (read by users and benchmarks) -----------------------------------
         self._lock = threading.Lock()
+        """Guards the counters: ops of several buckets may finish on different threads."""
         self.bytes_last_step = 0
         """Bytes this worker handed to collectives in the last step: P and Q factors,
         packed uncompressed tensors, plain-allreduce steps, averaged error slices."""
         self.bytes_total = 0
+        """The same, summed over all steps (saved in the state dict)."""
         self.uncompressed_bytes_last_step = 0
         """What gradient allreduce would have sent in that step (the live ratio's base)."""
         self._bytes_step = None
+        """The step the ``*_last_step`` counters belong to (they restart at a new one)."""
+
+    @property
+    def matrix_approximation_rank(self) -> int:
+        """r, the rank of each compressed gradient matrix's approximation (``settings.rank``;
+        a matrix with fewer rows or columns than r gets that smaller rank)."""
+        return self.settings.rank
 
     # --- set-up -------------------------------------------------------------------------
     def init_operations(self, bagua_ddp, bucket) -> None:
@@ -111,7 +146,7 @@ class PowerSGDAlgorithmImpl(AlgorithmImpl):
                 "wrap with do_flatten=True"
             )
         shapes = [tuple(t.bagua_getter_closure().shape) for t in bucket.tensors]
-        plan = psgd.make_plan(shapes, self.rank_r, self.settings.min_compression_rate)
+        plan = psgd.make_plan(shapes, self.matrix_approximation_rank, self.settings.min_compression_rate)
         if plan.groups:
             orthogonalization.prepare(self.options.orthogonalization, bucket.device)
         self._plans[bucket.name] = plan

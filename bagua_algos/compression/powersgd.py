@@ -30,6 +30,20 @@ Vectors, 0-dim tensors, and matrices where (n + m)·r·``min_compression_rate`` 
 n·m (compression would save less than that rate) are averaged uncompressed, in one
 packed allreduce per bucket.
 
+The module has three layers, each usable on its own:
+
+- the plan and state of a bucket (:func:`make_plan`, :func:`init_state`): which tensors
+  are compressed, grouped by matrix shape, and where their P's, Q's and errors lie;
+- the step's math on plain tensors, batches [..., b, n, m] with any leading dimensions
+  and the averaging passed in (:func:`compute_p`, :func:`compute_q`,
+  :func:`reconstruct`, :func:`subtract_reconstruction_`, :func:`keep_nonzero_columns`,
+  and :func:`power_iteration`, the three middle lines above on packed buffers): a form
+  of the algorithm that stacks the workers' states along a leading dimension imports
+  these rather than restating them;
+- one step on a bucket (:func:`compress_aggregate`), which lays a bucket's gradients,
+  errors and outputs out as those batches and calls the math in the numbered order of
+  its docstring.
+
 fp16 and bf16 gradients are computed in float32 (float64 stays float64); P and Q
 travel in that compute dtype, and results are written back in the gradient's dtype.
 
@@ -52,7 +66,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -71,6 +85,13 @@ __all__ = [
     "make_plan",
     "init_state",
     "compress_aggregate",
+    "compute_p",
+    "compute_q",
+    "reconstruct",
+    "subtract_reconstruction_",
+    "keep_nonzero_columns",
+    "power_iteration",
+    "Factors",
     "compression_summary",
     "stable_seed",
 ]
@@ -250,7 +271,169 @@ def _generator_from(state: dict) -> torch.Generator:
     return generator
 
 
-# --- one step --------------------------------------------------------------------------------
+# --- the step's math on plain tensors ---------------------------------------------------------
+# Each function below is the one home of one formula. They take batches of matrices with
+# any leading dimensions ([..., b, n, m]; a bucket's shape group is [b, n, m], a form that
+# stacks the workers' states adds a leading [W]) and never communicate: the averaging is
+# the caller's ``allreduce_mean``. On GPUs a product is one batched call; on CPU one
+# ``torch.mm`` per matrix (see :func:`_matmul`).
+
+BATCHED_ON_CPU = False
+"""Run the GPU's batched products on CPU tensors too (tests set it to check that path
+on machines without a GPU; on CPU the per-matrix products are faster)."""
+
+
+def compute_p(a: torch.Tensor, q: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """P = A·Q: ``a`` [..., n, m], ``q`` [..., m, r] → [..., n, r] (into ``out`` if given)."""
+    return _matmul(a, q, out)
+
+
+def compute_q(a: torch.Tensor, p: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Q = Aᵀ·P: ``a`` [..., n, m], ``p`` [..., n, r] → [..., m, r] (into ``out`` if given)."""
+    return _matmul(a.transpose(-2, -1), p, out)
+
+
+def reconstruct(p: torch.Tensor, q: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """M̃ = P·Qᵀ, the rank-r update: [..., n, r] and [..., m, r] → [..., n, m]."""
+    return _matmul(p, q.transpose(-2, -1), out)
+
+
+def subtract_reconstruction_(e: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """e ← e − P·Qᵀ in place (what error feedback keeps: with e = A on entry, the part of
+    A the update missed), without a temporary of e's size; returns ``e``."""
+    qt = q.transpose(-2, -1)
+    if _batched(e):
+        if e.dim() == 3:
+            e.baddbmm_(p, qt, alpha=-1.0)
+        else:
+            e.sub_(torch.matmul(p, qt))
+        return e
+    for e_j, p_j, qt_j in zip(_each_matrix(e), _each_matrix(p), _each_matrix(qt)):
+        e_j.addmm_(p_j, qt_j, alpha=-1.0)
+    return e
+
+
+def keep_nonzero_columns(new_q: torch.Tensor, old_q: torch.Tensor) -> torch.Tensor:
+    """The warm start's Q: ``new_q``, except that a column that came out exactly zero (a
+    zero or rank-deficient A) keeps its value from ``old_q``: a zero column would stay zero
+    forever. ``old_q`` is never zero there (the initial Q's are random and every step keeps
+    this so), and every worker holds the same Q's, so all keep the same columns; no draw,
+    no host round trip."""
+    dead = torch.linalg.vector_norm(new_q, dim=-2, keepdim=True) == 0
+    return torch.where(dead, old_q, new_q)
+
+
+class Factors(NamedTuple):
+    """What :func:`power_iteration` returns: the averaged P's (orthonormal columns) and Q's,
+    one per input batch, as views into the two packed buffers that were averaged, and the
+    bytes of those buffers."""
+
+    p: List[torch.Tensor]
+    q: List[torch.Tensor]
+    p_bytes: int
+    q_bytes: int
+    p_extra_on_host: Optional[Callable[[], torch.Tensor]] = None  # see StepBytes
+
+
+def power_iteration(
+    a: Sequence[torch.Tensor],
+    q: Sequence[torch.Tensor],
+    allreduce_mean: Callable[[torch.Tensor], None],
+    orthogonalization: str = "auto",
+    epsilon: float = DEFAULT_EPSILON,
+    p_extra: Optional[torch.Tensor] = None,
+) -> Factors:
+    """One step of subspace iteration on batches of matrices, averaged over the workers:
+
+        P_k ← A_k·Q_k         all P's packed in one buffer, then allreduce_mean(buffer)
+        P_k ← orthogonalize(P_k)   every batch in one call
+        Q_k ← A_kᵀ·P_k        all Q's packed in one buffer, then allreduce_mean(buffer)
+
+    ``a[k]`` is [..., b_k, n_k, m_k] in the compute dtype, ``q[k]`` [..., b_k, m_k, r_k];
+    all share the leading dimensions "..." (none for a bucket; the workers for a form that
+    stacks them), and each packed buffer is [..., total] in the batches' order, so
+    ``allreduce_mean`` averages it over the workers in place. ``p_extra`` ([..., k])
+    rides at the end of the P buffer and is overwritten with its average (and
+    ``p_extra_on_host`` reads it on the host, waiting for the P allreduce only). Neither ``a``
+    nor ``q`` is modified: keeping the new Q's is the caller's choice (warm start).
+    """
+    lead = a[0].shape[:-3]
+    dtype, device = a[0].dtype, a[0].device
+    extra = 0 if p_extra is None else p_extra.shape[-1]
+    p_shapes = [(*batch.shape[-3:-1], q_k.shape[-1]) for batch, q_k in zip(a, q)]
+    p_flat, ps = _packed(p_shapes, lead, extra, dtype, device)
+    for a_k, q_k, p_k in zip(a, q, ps):
+        compute_p(a_k, q_k, out=p_k)
+    if extra:
+        p_flat[..., p_flat.shape[-1] - extra :].copy_(p_extra)
+    allreduce_mean(p_flat)
+    extra_on_host = None
+    if extra:
+        p_extra.copy_(p_flat[..., p_flat.shape[-1] - extra :])
+        extra_on_host = _host_copy(p_extra)  # queued now: waits for the P allreduce only
+    orthogonalize_batches_([m for p_k in ps for m in _each_batch(p_k)], orthogonalization, epsilon)
+    q_shapes = [(batch.shape[-3], batch.shape[-1], q_k.shape[-1]) for batch, q_k in zip(a, q)]
+    q_flat, qs = _packed(q_shapes, lead, 0, dtype, device)
+    for a_k, p_k, q_k in zip(a, ps, qs):
+        compute_q(a_k, p_k, out=q_k)
+    allreduce_mean(q_flat)
+    return Factors(ps, qs, p_flat.numel() * p_flat.element_size(), q_flat.numel() * q_flat.element_size(),
+                   extra_on_host)
+
+
+def _packed(shapes, lead, extra: int, dtype, device) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """One buffer [*lead, Σ numel + extra] and, for each (b, n, r) of ``shapes``, its
+    [*lead, b, n, r] view, one after the other."""
+    sizes = [math.prod(shape) for shape in shapes]
+    flat = torch.empty(*lead, sum(sizes) + extra, dtype=dtype, device=device)
+    views, offset = [], 0
+    for shape, size in zip(shapes, sizes):
+        views.append(flat[..., offset : offset + size].view(*lead, *shape))
+        offset += size
+    return flat, views
+
+
+def _batched(tensor: torch.Tensor) -> bool:
+    return tensor.device.type != "cpu" or BATCHED_ON_CPU
+
+
+def _each_matrix(tensor: torch.Tensor) -> List[torch.Tensor]:
+    """The 2-D matrices of a [..., x, y] tensor, as views, in order."""
+    if tensor.dim() == 2:
+        return [tensor]
+    return [matrix for sub in tensor.unbind(0) for matrix in _each_matrix(sub)]
+
+
+def _each_batch(tensor: torch.Tensor) -> List[torch.Tensor]:
+    """The 3-D batches of a [..., b, x, y] tensor, as views, in order."""
+    if tensor.dim() == 3:
+        return [tensor]
+    return [batch for sub in tensor.unbind(0) for batch in _each_batch(sub)]
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """a[j] @ b[j] for every matrix j: one ``torch.bmm`` on GPUs (one launch); on CPU one
+    product per matrix, which is as fast at r ≥ 4 and 4–17× faster at r = 1 (torch's
+    CPU bmm has no matrix-vector path). On CPU a result with 2 to 64 columns (P = A·Q,
+    Q = Aᵀ·P at r ≥ 2) is computed transposed, (bᵀ aᵀ)ᵀ, and copied into place: MKL's
+    GEMM is 2–10× faster that way round for these skinny products (ResNet-18's layers,
+    one thread; measured for issue 19)."""
+    if _batched(a):
+        if a.dim() == 3:
+            return torch.bmm(a, b, out=out)
+        return torch.matmul(a, b, out=out)
+    if out is None:
+        out = torch.empty(*a.shape[:-1], b.shape[-1], dtype=a.dtype, device=a.device)
+    transposed = 2 <= b.shape[-1] <= 64
+    for a_j, b_j, out_j in zip(_each_matrix(a), _each_matrix(b), _each_matrix(out)):
+        if transposed:
+            out_j.copy_(torch.mm(b_j.t(), a_j.t()).t())
+        else:
+            torch.mm(a_j, b_j, out=out_j)
+    return out
+
+
+# --- one step on a bucket ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class PowerSGDOptions:
     warm_start: bool = True
@@ -278,14 +461,6 @@ class StepBytes:
         return self.p + self.q + self.uncompressed
 
 
-def _identity_start(tensor: torch.Tensor):
-    class _Done:
-        def wait(self):
-            return None
-
-    return _Done()
-
-
 def compress_aggregate(
     plan: BucketPlan,
     grads: Sequence[torch.Tensor],
@@ -296,7 +471,15 @@ def compress_aggregate(
     out: Optional[Sequence[torch.Tensor]] = None,
     p_extra: Optional[torch.Tensor] = None,
 ) -> StepBytes:
-    """One PowerSGD step on a bucket's gradients ``grads`` (shapes of ``plan``), in place.
+    """One PowerSGD step on a bucket's gradients ``grads`` (shapes of ``plan``), in place:
+
+        1. start one packed allreduce-mean of the uncompressed tensors     _start_uncompressed
+        2. A ← G + λ·e for every compressed tensor, one batch per shape     _form_a
+        3. without warm start: Q ← N(0, 1), from the generator in ``state``  _redraw_qs
+        4-6. P ← mean_w(A·Q), orthogonalized; Q ← mean_w(Aᵀ·P)                power_iteration
+        7. e ← A − P·Qᵀ, G ← P·Qᵀ                                           _apply_update
+        8. with warm start: keep Q (a zero column keeps its old value)      keep_nonzero_columns
+        9. wait for step 1's allreduce and unpack it into ``grads``          _finish_uncompressed
 
     Afterwards every compressed ``grads[i]`` holds the aggregated rank-r update M̃_i,
     every uncompressed one the plain mean over workers, and ``state`` the new Q's and
@@ -315,183 +498,192 @@ def compress_aggregate(
     one orthogonalization call, the packing of the uncompressed tensors and the
     collectives. The host never waits for the device here.
     """
-    if start_allreduce_mean is None:
-        def start_allreduce_mean(tensor):
-            allreduce_mean(tensor)
-            return _identity_start(tensor)
-
     bytes_sent = StepBytes()
-    device = grads[0].device if grads else torch.device("cpu")
-
-    # Uncompressed tensors: one packed allreduce, started first so it overlaps the P's.
-    pending = packed = None
-    if plan.uncompressed:
-        packed = torch.cat([grads[i].reshape(-1) for i in plan.uncompressed])
-        bytes_sent.uncompressed = packed.numel() * packed.element_size()
-        pending = start_allreduce_mean(packed)
-    if not plan.groups:
-        _unpack_uncompressed(plan, grads, pending, packed)
-        return bytes_sent
-
-    gdtype = grads[plan.groups[0].members[0]].dtype
-    cdtype = compute_dtype(gdtype)
-    in_place = gdtype == cdtype
-    error = state.get("error") if options.error_feedback and not options.error_in_grad else None
-    decay = options.error_decay
-
-    # Per group: the gradients as a list of n × m views and, where they lie equally
-    # spaced in one buffer, as one b × n × m strided view; A = G + λe as one batch.
-    g_lists: Dict[str, List[torch.Tensor]] = {}
-    g_views: Dict[str, Optional[torch.Tensor]] = {}
-    a_batches: Dict[str, torch.Tensor] = {}
-    for group in plan.groups:
-        g_list = [grads[i].view(group.n, group.m) for i in group.members]
-        g_view = _batch_view(g_list, group.n, group.m)
-        g_lists[group.key], g_views[group.key] = g_list, g_view
-        if error is not None:
-            e = _group_error(error, group)
-            if in_place:
-                # A is formed in the error buffer (one pass); it becomes the new error in place.
-                if g_view is not None:
-                    torch.add(g_view, e, alpha=decay, out=e)
-                else:
-                    _foreach_add_scaled_(list(e.unbind(0)), g_list, decay)
-                a = e
-            else:
-                a = _gather(g_list, g_view, cdtype, group)
-                if decay != 0.0:
-                    a.add_(e.to(cdtype), alpha=decay)
-        elif in_place and g_view is not None:
-            a = g_view
-        else:
-            a = _gather(g_list, g_view, cdtype, group)
-        a_batches[group.key] = a
-
-    if not options.warm_start:
-        generator = _generator_from(state)
-        state["q"].update(_draw_qs(plan, generator, cdtype, device))
-        state["rng_state"] = generator.get_state()
-
-    # P = A Q, packed by shape group (a group's P's are one b × n × r batch).
-    extra = 0 if p_extra is None else p_extra.numel()
-    p_flat = torch.empty(plan.p_numel + extra, dtype=cdtype, device=device)
-    p_batches = []
-    for group in plan.groups:
-        batch = p_flat[group.p_offset : group.p_offset + group.p_numel].view(len(group.members), group.n, group.r)
-        _bmm(a_batches[group.key], state["q"][group.key], out=batch)
-        p_batches.append(batch)
-    if extra:
-        p_flat[plan.p_numel :].copy_(p_extra)
-    allreduce_mean(p_flat)
-    bytes_sent.p = p_flat.numel() * p_flat.element_size()
-    if extra:
-        p_extra.copy_(p_flat[plan.p_numel :])
-        bytes_sent.p_extra_on_host = _host_copy(p_extra)
-
-    # Orthonormal columns: every group's P's in one call, in place.
-    orthogonalize_batches_(p_batches, options.orthogonalization, options.epsilon)
-
-    # Q = Aᵀ P, packed; its mean is the new Q (kept for the warm start).
-    q_flat = torch.empty(plan.q_numel, dtype=cdtype, device=device)
-    q_batches = []
-    for group, p in zip(plan.groups, p_batches):
-        batch = q_flat[group.q_offset : group.q_offset + group.q_numel].view(len(group.members), group.m, group.r)
-        _bmm(a_batches[group.key].transpose(1, 2), p, out=batch)
-        q_batches.append(batch)
-    allreduce_mean(q_flat)
-    bytes_sent.q = q_flat.numel() * q_flat.element_size()
-
-    # M̃ = P Qᵀ; the error keeps what it missed: e = A − M̃.
-    for group, p, q in zip(plan.groups, p_batches, q_batches):
-        qt = q.transpose(1, 2)
-        a = a_batches[group.key]
-        g_list, g_view = g_lists[group.key], g_views[group.key]
-        if options.error_in_grad:
-            out_list = [out[i].view(group.n, group.m) for i in group.members]
-            out_view = _batch_view(out_list, group.n, group.m)
-            if out_view is not None and out_view.dtype == cdtype:
-                _bmm(p, qt, out=out_view)
-            else:
-                _write(out_view, out_list, _bmm(p, qt))
-            if options.error_feedback:
-                _subtract_product_(a, p, qt)  # the new error (in the gradients when A is their view)
-                if a is not g_view:
-                    _write(g_view, g_list, a)
-            elif g_view is not None:
-                g_view.zero_()
-            else:
-                torch._foreach_zero_(g_list)
-            continue
-        if error is not None:
-            e = _group_error(error, group)
-            if in_place:  # A is e's storage: e = A − P Qᵀ in place, then G = P Qᵀ
-                _subtract_product_(e, p, qt)
-                if g_view is not None:
-                    _bmm(p, qt, out=g_view)
-                elif not _batched(p):
-                    for j, g in enumerate(g_list):
-                        torch.mm(p[j], qt[j], out=g)
-                else:
-                    _write(None, g_list, torch.bmm(p, qt))
-            else:
-                approx = _bmm(p, qt)
-                e.copy_(a.sub_(approx))
-                _write(g_view, g_list, approx)
-        elif in_place and g_view is not None:
-            _bmm(p, qt, out=g_view)
-        else:
-            _write(g_view, g_list, _bmm(p, qt))
-
-    if options.warm_start:
-        # A Q column that became exactly zero (zero or rank-deficient gradient) would stay
-        # zero forever: such a column keeps its previous value instead (never zero: the
-        # initial Q's are random and each step keeps this so). Every worker holds the same
-        # Q's, so every worker keeps the same columns; no draw, no host round trip.
-        for group, q in zip(plan.groups, q_batches):
-            dead = torch.linalg.vector_norm(q, dim=-2, keepdim=True) == 0
-            state["q"][group.key] = torch.where(dead, state["q"][group.key], q)
-    state["compressed_steps"] = int(state.get("compressed_steps", 0)) + 1
-
-    _unpack_uncompressed(plan, grads, pending, packed)
+    uncompressed = _start_uncompressed(plan, grads, allreduce_mean, start_allreduce_mean)
+    bytes_sent.uncompressed = uncompressed.bytes
+    if plan.groups:
+        groups = _form_a(plan, grads, state, options)
+        if not options.warm_start:
+            _redraw_qs(plan, state, groups[0].a.dtype, groups[0].a.device)
+        factors = power_iteration([g.a for g in groups], [state["q"][g.spec.key] for g in groups], allreduce_mean,
+                                  options.orthogonalization, options.epsilon, p_extra)
+        bytes_sent.p, bytes_sent.q = factors.p_bytes, factors.q_bytes
+        bytes_sent.p_extra_on_host = factors.p_extra_on_host
+        _apply_update(groups, factors, out, options)
+        if options.warm_start:
+            for group, q in zip(groups, factors.q):
+                state["q"][group.spec.key] = keep_nonzero_columns(q, state["q"][group.spec.key])
+        state["compressed_steps"] = int(state.get("compressed_steps", 0)) + 1
+    _finish_uncompressed(plan, grads, uncompressed)
     return bytes_sent
 
 
-BATCHED_ON_CPU = False
-"""Run the GPU's batched products on CPU tensors too (tests set it to check that path
-on machines without a GPU; on CPU the per-matrix products are faster)."""
+class _Matrices:
+    """A shape group's n × m matrices lying in some buffers (gradients, outputs, errors):
+    ``list``, a view of each, and ``batch``, the same as one b × n × m tensor without a
+    copy when they lie equally spaced in one buffer (else None)."""
 
+    __slots__ = ("list", "batch")
 
-def _batched(tensor: torch.Tensor) -> bool:
-    return tensor.device.type != "cpu" or BATCHED_ON_CPU
+    def __init__(self, matrices: List[torch.Tensor], batch: Optional[torch.Tensor]):
+        self.list = matrices
+        self.batch = batch
 
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor], group: "ShapeGroup") -> "_Matrices":
+        matrices = [tensors[i].view(group.n, group.m) for i in group.members]
+        return cls(matrices, _batch_view(matrices, group.n, group.m))
 
-def _bmm(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """a[j] @ b[j] for every j: one ``torch.bmm`` on GPUs (one launch); on CPU one
-    product per matrix, which is as fast at r ≥ 4 and 4–17× faster at r = 1 (torch's
-    CPU bmm has no matrix-vector path). On CPU a result with 2 to 64 columns (P = A·Q,
-    Q = Aᵀ·P at r ≥ 2) is computed transposed, (bᵀ aᵀ)ᵀ, and copied into place: MKL's
-    GEMM is 2–10× faster that way round for these skinny products (ResNet-18's layers,
-    one thread; measured for issue 19)."""
-    if _batched(a):
-        return torch.bmm(a, b, out=out)
-    if out is None:
-        out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
-    transposed = 2 <= b.shape[2] <= 64
-    for j in range(a.shape[0]):
-        if transposed:
-            out[j].copy_(torch.mm(b[j].t(), a[j].t()).t())
+    @classmethod
+    def from_batch(cls, batch: torch.Tensor) -> "_Matrices":
+        return cls(list(batch.unbind(0)), batch)
+
+    def read(self, dtype: torch.dtype) -> torch.Tensor:
+        """The matrices as one batch in ``dtype``: ``batch`` itself where it has that
+        dtype (writes to it are writes to the matrices), else a new tensor."""
+        if self.batch is not None and self.batch.dtype == dtype:
+            return self.batch
+        copy = torch.empty(len(self.list), *self.list[0].shape, dtype=dtype, device=self.list[0].device)
+        if self.batch is not None:
+            copy.copy_(self.batch)
         else:
-            torch.mm(a[j], b[j], out=out[j])
-    return out
+            torch._foreach_copy_(list(copy.unbind(0)), self.list)
+        return copy
+
+    def write(self, batch: torch.Tensor) -> None:
+        """matrices ← ``batch`` (one copy through ``batch``'s view when there is one, else one _foreach op)."""
+        if self.batch is not None:
+            self.batch.copy_(batch)
+        else:
+            torch._foreach_copy_(self.list, list(batch.unbind(0)))
+
+    def write_reconstruction(self, p: torch.Tensor, q: torch.Tensor) -> None:
+        """matrices ← P·Qᵀ: straight into ``batch``, or on CPU into each matrix, where
+        they have P's dtype; else computed in P's dtype and written (converted) by
+        :meth:`write`."""
+        if self.batch is not None and self.batch.dtype == p.dtype:
+            reconstruct(p, q, out=self.batch)
+        elif not _batched(p) and self.list[0].dtype == p.dtype:  # CPU: each matrix, no temporary
+            for matrix, p_j, q_j in zip(self.list, p.unbind(0), q.unbind(0)):
+                reconstruct(p_j, q_j, out=matrix)
+        else:
+            self.write(reconstruct(p, q))
+
+    def zero_(self) -> None:
+        if self.batch is not None:
+            self.batch.zero_()
+        else:
+            torch._foreach_zero_(self.list)
 
 
-def _subtract_product_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """c[j] ← c[j] − a[j] @ b[j] in place (``baddbmm_`` on GPUs, ``addmm_`` per matrix on CPU)."""
-    if _batched(c):
-        c.baddbmm_(a, b, alpha=-1.0)
+@dataclass
+class _GroupStep:
+    """One shape group during a step: its gradients, A (b × n × m in the compute dtype)
+    and where the new error goes (None without error feedback). Where A lives decides how
+    much is copied: in the error buffer (formed there, it becomes the new error in place),
+    in the gradients (``error_in_grad``, or no error feedback: a view, no copy), or in a
+    new tensor (fp16/bf16 gradients, or no strided view of them)."""
+
+    spec: ShapeGroup
+    grads: _Matrices
+    a: torch.Tensor
+    error: Optional[_Matrices]
+
+
+def _start_uncompressed(plan: BucketPlan, grads, allreduce_mean, start_allreduce_mean) -> "_Pending":
+    """Step 1: pack the uncompressed tensors into one buffer and start its allreduce-mean
+    (``start_allreduce_mean``, or ``allreduce_mean`` at once when that is None)."""
+    if not plan.uncompressed:
+        return _Pending(None, None)
+    packed = torch.cat([grads[i].reshape(-1) for i in plan.uncompressed])
+    if start_allreduce_mean is None:
+        allreduce_mean(packed)
+        return _Pending(packed, None)
+    return _Pending(packed, start_allreduce_mean(packed))
+
+
+@dataclass
+class _Pending:
+    packed: Optional[torch.Tensor]  # the uncompressed tensors, one after the other
+    handle: object  # its allreduce in flight (``wait()``), or None when done or absent
+
+    @property
+    def bytes(self) -> int:
+        return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+
+
+def _finish_uncompressed(plan: BucketPlan, grads, pending: _Pending) -> None:
+    """Step 9: wait for the uncompressed tensors' allreduce and copy the means back."""
+    if pending.packed is None:
         return
-    for j in range(c.shape[0]):
-        c[j].addmm_(a[j], b[j], alpha=-1.0)
+    if pending.handle is not None:
+        pending.handle.wait()
+    targets, sources, offset = [], [], 0
+    for i in plan.uncompressed:
+        n = grads[i].numel()
+        targets.append(grads[i])
+        sources.append(pending.packed[offset : offset + n].view_as(grads[i]))
+        offset += n
+    torch._foreach_copy_(targets, sources)
+
+
+def _form_a(plan: BucketPlan, grads, state: dict, options: PowerSGDOptions) -> List[_GroupStep]:
+    """Step 2: A = G + λ·e for every shape group, in the compute dtype.
+
+    Side effects: with a separate error buffer and gradients in the compute dtype, A is
+    formed in the error buffer (``state["error"]`` then holds A, until step 7 makes it
+    the new error). With ``error_in_grad`` the gradients already hold A. Nothing else is
+    written."""
+    dtype = grads[plan.groups[0].members[0]].dtype
+    cdtype = compute_dtype(dtype)
+    error = state.get("error") if options.error_feedback and not options.error_in_grad else None
+    decay = options.error_decay
+    steps = []
+    for spec in plan.groups:
+        g = _Matrices.of(grads, spec)
+        if error is None:  # A is G (error_in_grad: G holds G + λe already)
+            keeps_error = options.error_in_grad and options.error_feedback
+            steps.append(_GroupStep(spec, g, g.read(cdtype), g if keeps_error else None))
+            continue
+        e = _Matrices.from_batch(_group_error(error, spec))
+        if dtype == cdtype:  # A formed in the error buffer, in one pass
+            if g.batch is not None:
+                torch.add(g.batch, e.batch, alpha=decay, out=e.batch)
+            else:
+                _foreach_add_scaled_(e.list, g.list, decay)
+            a = e.batch
+        else:
+            a = g.read(cdtype)
+            if decay != 0.0:
+                a.add_(e.batch.to(cdtype), alpha=decay)
+        steps.append(_GroupStep(spec, g, a, e))
+    return steps
+
+
+def _redraw_qs(plan: BucketPlan, state: dict, dtype, device) -> None:
+    """Step 3 (no warm start): every Q redrawn from N(0, 1) with the generator saved in
+    ``state``, whose new state is saved back."""
+    generator = _generator_from(state)
+    state["q"].update(_draw_qs(plan, generator, dtype, device))
+    state["rng_state"] = generator.get_state()
+
+
+def _apply_update(groups: List[_GroupStep], factors: Factors, out, options: PowerSGDOptions) -> None:
+    """Step 7: the error keeps what the update misses, e ← A − P·Qᵀ (in place where A is
+    the error's storage, else computed in A and copied), and the update P·Qᵀ is written
+    to the gradients, or with ``error_in_grad`` to ``out`` (the gradients then hold the
+    error, or zeros without error feedback)."""
+    for group, p, q in zip(groups, factors.p, factors.q):
+        if group.error is not None:
+            subtract_reconstruction_(group.a, p, q)
+            if group.a is not group.error.batch:
+                group.error.write(group.a)
+        if options.error_in_grad:
+            _Matrices.of(out, group.spec).write_reconstruction(p, q)
+            if not options.error_feedback:
+                group.grads.zero_()
+        else:
+            group.grads.write_reconstruction(p, q)
 
 
 def _host_copy(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -539,24 +731,6 @@ def _group_error(error: torch.Tensor, group: ShapeGroup) -> torch.Tensor:
     return error[group.e_offset : group.e_offset + group.e_numel].view(len(group.members), group.n, group.m)
 
 
-def _gather(g_list: Sequence[torch.Tensor], g_view: Optional[torch.Tensor], dtype, group: ShapeGroup) -> torch.Tensor:
-    """A new b × n × m batch in ``dtype`` holding the group's gradients."""
-    batch = torch.empty(len(group.members), group.n, group.m, dtype=dtype, device=g_list[0].device)
-    if g_view is not None:
-        batch.copy_(g_view)
-    else:
-        torch._foreach_copy_(list(batch.unbind(0)), list(g_list))
-    return batch
-
-
-def _write(view: Optional[torch.Tensor], targets: Sequence[torch.Tensor], batch: torch.Tensor) -> None:
-    """targets ← batch (one copy through ``view`` when there is one, else one _foreach op)."""
-    if view is not None:
-        view.copy_(batch)
-    else:
-        torch._foreach_copy_(list(targets), list(batch.unbind(0)))
-
-
 def _foreach_add_scaled_(errors: List[torch.Tensor], grads: Sequence[torch.Tensor], decay: float) -> None:
     """e ← G + λ·e for every pair, as _foreach ops."""
     if decay == 0.0:
@@ -565,19 +739,6 @@ def _foreach_add_scaled_(errors: List[torch.Tensor], grads: Sequence[torch.Tenso
     if decay != 1.0:
         torch._foreach_mul_(errors, decay)
     torch._foreach_add_(errors, list(grads))
-
-
-def _unpack_uncompressed(plan: BucketPlan, grads, pending, packed) -> None:
-    if pending is None:
-        return
-    pending.wait()
-    targets, sources, offset = [], [], 0
-    for i in plan.uncompressed:
-        n = grads[i].numel()
-        targets.append(grads[i])
-        sources.append(packed[offset : offset + n].view_as(grads[i]))
-        offset += n
-    torch._foreach_copy_(targets, sources)
 
 
 # --- sizes -------------------------------------------------------------------------------------

@@ -61,11 +61,9 @@ class Engine:
     def step(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor:
         """One step of every worker; returns the ``[n]`` losses (detached)."""
         self.steps += 1
-        self.optimizer.zero_grad(set_to_none=False)
         self.form.before_forward(self.steps)
-        losses = self.model.losses(x, y, loss_fn)
-        losses.sum().backward()
+        losses = self.model.forward_backward(x, y, loss_fn)  # overwrites every gradient
         self.form.after_backward(self.steps)
         self.optimizer.step()
         self.form.after_step(self.steps)
-        return losses.detach()
+        return losses

@@ -10,10 +10,14 @@ process's bucket holds, in the same order.
 
 The forward and backward of all workers are one call: ``torch.func.functional_call``
 of the model under ``torch.func.vmap`` over the worker dimension, with every
-parameter a view of its columns of ``params``; ``Σ_i loss_i`` is backpropagated once,
-which leaves worker i's own gradient in row i of ``params.grad`` (the workers share no
-parameter). A linear layer becomes one batched matrix product, a convolution one
-grouped convolution.
+parameter a view of its columns of ``params``; ``Σ_i loss_i`` is differentiated once,
+which gives worker i its own gradient in row i (the workers share no parameter). A
+linear layer becomes one batched matrix product, a convolution one grouped convolution.
+The views are autograd leaves of their own (views of ``params.detach()``, sharing its
+memory): differentiating through slices of one ``[n, d]`` leaf would make autograd
+build a zero ``[n, d]`` gradient per parameter and add them all up, n·d work per
+parameter tensor; instead each parameter's gradient is copied once into its columns of
+the preallocated ``params.grad``.
 
 Buffers (BatchNorm's running statistics and count) are stacked too, ``[n, ...]`` per
 buffer, and passed to the same vmapped call: each worker's forward updates its own row
@@ -115,8 +119,12 @@ class StackedModel:
         flat = torch.zeros(layout.numel, dtype=dtype, device=self.device)
         for slot in layout.slots:
             flat[slot.start:slot.start + slot.numel].copy_(params[slot.name].detach().reshape(-1))
-        # X: row i is worker i's flat vector (a leaf, so X.grad collects every worker's gradient).
+        # X: row i is worker i's flat vector; X.grad (preallocated, padding kept zero) holds
+        # every worker's gradient after forward_backward.
         self.params = torch.nn.Parameter(flat.unsqueeze(0).repeat(n, 1))
+        self.params.grad = torch.zeros_like(self.params)
+        self._leaves = {name: view.requires_grad_() for name, view in self.param_views(self.params.detach()).items()}
+        self._grad_views = list(self.param_views(self.params.grad).values())
         self.buffers = {name: b.detach().unsqueeze(0).repeat(n, *([1] * b.dim())).clone()
                         for name, b in self.module.named_buffers()}
         # Parameters that do not train (requires_grad=False): the same constant for everyone.
@@ -150,16 +158,25 @@ class StackedModel:
         out.update(self.frozen)
         return out
 
-    def losses(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor:
-        """Every worker's loss on its own batch (``x[i]``, ``y[i]``), shape ``[n]``; the
-        forward updates each worker's buffers in place (training mode)."""
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor:
+        """Every worker's loss on its own batch (``x[i]``, ``y[i]``), shape ``[n]``, and
+        its gradient in row i of ``grads``; the forward updates each worker's buffers in
+        place (training mode)."""
         self.module.train()
 
         def one(params, buffers, xi, yi):
             out = functional_call(self.module, ({**params, **self.frozen}, buffers), (xi,))
             return loss_fn(out, yi)
 
-        return vmap(one, randomness="different")(self.param_views(), self.buffers, x, y)
+        losses = vmap(one, randomness="different")(self._leaves, self.buffers, x, y)
+        grads = torch.autograd.grad(losses.sum(), list(self._leaves.values()), allow_unused=True)
+        with torch.no_grad():
+            for target, grad in zip(self._grad_views, grads):
+                if grad is None:  # a parameter the loss does not use: no gradient, as in a process
+                    target.zero_()
+                else:
+                    target.copy_(grad)
+        return losses.detach()
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor, chunk: int = 1000) -> torch.Tensor:

@@ -1,0 +1,225 @@
+"""The one-process engine's speed and memory, as ratios measured in one run (issue 24).
+
+    python benchmarks/engine_benchmark.py batching            # n workers at b vs one model at n·b
+    python benchmarks/engine_benchmark.py comm --workers 64   # the communication step's share
+    python benchmarks/engine_benchmark.py sweep               # the default sweep: sim vs processes
+
+Sections:
+
+- ``batching``: the physical limit of stacking. n workers at batch b (the engine, with
+  ``allreduce_average``) against one model at batch n·b (the same arithmetic: one
+  forward, backward and SGD step), images/s; blocks of steps interleaved over rounds, the
+  ratio is the median of the rounds' (goal ≥ 0.5). Models: ``mlp`` and ``cnn`` on digits'
+  8×8 and MNIST's 28×28 images; ``vgg11`` and ``resnet20`` at 3×32×32 (meant for a GPU).
+- ``comm``: at ``--workers`` (64), for each model-averaging form (allreduce average, D-PSGD
+  on a ring, relay on a chain and a double binary tree), the share of a training step
+  spent in the form's hooks (goal < 10 % for the MLP).
+- ``sweep``: the README's default sweep shortened to one α and a few epochs, run as
+  processes (``--engine processes``) and on the engine, wall-clock each (goal ≥ 10×).
+
+Prints one JSON line per figure after a header naming the machine and device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+import torch  # noqa: E402
+
+from bagua_algos.algorithms import (AllreduceAverageAlgorithm, DecentralizedAlgorithm,  # noqa: E402
+                                    RelayAlgorithm)
+from bagua_algos.engine import Engine  # noqa: E402
+from benchmarks.sweep_data import SmallCNN, ResNet20  # noqa: E402
+
+MODELS = {
+    "mlp": ((1, 8, 8), lambda: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 128), torch.nn.ReLU(),
+                                                    torch.nn.Linear(128, 128), torch.nn.ReLU(),
+                                                    torch.nn.Linear(128, 10))),
+    "cnn": ((1, 28, 28), lambda: SmallCNN((1, 28, 28), 10)),
+    "vgg11": ((3, 32, 32), None),
+    "resnet20": ((3, 32, 32), lambda: ResNet20(10)),
+}
+
+
+def _vgg11():
+    from torchvision.models import vgg11
+
+    net = vgg11(num_classes=10)
+    net.avgpool = torch.nn.Flatten()
+    net.classifier = torch.nn.Linear(512, 10)
+    return net
+
+
+def build(name):
+    shape, make = MODELS[name]
+    torch.manual_seed(0)
+    return shape, (make or _vgg11)()
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=1e-4)
+
+
+def batching(args, device) -> list[dict]:
+    out = []
+    loss_fn = torch.nn.functional.cross_entropy
+    for name in args.models:
+        shape, module = build(name)
+        n, b = args.workers, args.batch
+        engine = Engine(module, n, AllreduceAverageAlgorithm(), _sgd, device=device)
+        x = torch.randn(n, b, *shape, device=device)
+        y = torch.randint(0, 10, (n, b), device=device)
+        _, single = build(name)
+        single = single.to(device)
+        opt = _sgd(single.parameters())
+        xs, ys = x.reshape(n * b, *shape), y.reshape(n * b)
+
+        def engine_steps(k):
+            for _ in range(k):
+                engine.step(x, y, loss_fn)
+
+        def single_steps(k):
+            for _ in range(k):
+                opt.zero_grad()
+                loss_fn(single(xs), ys).backward()
+                opt.step()
+
+        ratios, speeds = [], []
+        engine_steps(2)
+        single_steps(2)
+        for _ in range(args.rounds):
+            times = []
+            for fn in (engine_steps, single_steps):
+                _sync(device)
+                start = time.perf_counter()
+                fn(args.steps)
+                _sync(device)
+                times.append(time.perf_counter() - start)
+            ratios.append(times[1] / times[0])  # engine images/s over single images/s
+            speeds.append(n * b * args.steps / times[0])
+        out.append({"section": "batching", "model": name, "workers": n, "batch": b,
+                    "engine_images_per_s": round(statistics.median(speeds), 1),
+                    "ratio_vs_one_model_at_n_times_b": round(statistics.median(ratios), 3), "goal": ">= 0.5"})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+class _TimedForm:
+    """Wraps an engine's form: the seconds its hooks take."""
+
+    def __init__(self, form, device):
+        self.form, self.device, self.seconds = form, device, 0.0
+
+    def __getattr__(self, name):
+        target = getattr(self.form, name)
+        if name not in ("before_forward", "after_backward", "after_step"):
+            return target
+
+        def timed(step):
+            _sync(self.device)
+            start = time.perf_counter()
+            target(step)
+            _sync(self.device)
+            self.seconds += time.perf_counter() - start
+
+        return timed
+
+
+def comm(args, device) -> list[dict]:
+    out = []
+    loss_fn = torch.nn.functional.cross_entropy
+    algorithms = {
+        "allreduce_average": AllreduceAverageAlgorithm(),
+        "decentralized_ring": DecentralizedAlgorithm(topology="ring"),
+        "relay_chain": RelayAlgorithm(topology="chain"),
+        "relay_double_binary_tree": RelayAlgorithm(topology="double_binary_tree"),
+    }
+    for name in args.models:
+        for label, algorithm in algorithms.items():
+            shape, module = build(name)
+            n, b = args.workers, args.batch
+            engine = Engine(module, n, algorithm, _sgd, device=device)
+            x = torch.randn(n, b, *shape, device=device)
+            y = torch.randint(0, 10, (n, b), device=device)
+            for _ in range(2):
+                engine.step(x, y, loss_fn)
+            engine.form = timed = _TimedForm(engine.form, device)
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                engine.step(x, y, loss_fn)
+            _sync(device)
+            total = time.perf_counter() - start
+            out.append({"section": "comm", "model": name, "algorithm": label, "workers": n, "batch": b,
+                        "step_ms": round(total / args.steps * 1e3, 2),
+                        "comm_share": round(timed.seconds / total, 3), "goal": "< 0.10 (mlp)"})
+            print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def sweep(args, device) -> list[dict]:
+    script = _REPO / "benchmarks" / "heterogeneity_sweep.py"
+    common = ["--alphas", "0.1", "--epochs", str(args.sweep_epochs), "--no-progress", "--workers", str(args.workers)]
+    times = {}
+    for engine in ("processes", "sim"):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, str(script), "--engine", engine, "--out-dir",
+                        f"/tmp/engine_benchmark_{engine}", *common], check=True, capture_output=True, timeout=3600)
+        times[engine] = time.perf_counter() - start
+    out = [{"section": "sweep", "workers": args.workers, "epochs": args.sweep_epochs, "alphas": [0.1],
+            "processes_s": round(times["processes"], 1), "sim_s": round(times["sim"], 1),
+            "speedup": round(times["processes"] / times["sim"], 2), "goal": ">= 10"}]
+    print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="engine_benchmark", description=__doc__.split("\n\n")[0])
+    p.add_argument("section", choices=("batching", "comm", "sweep"))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    p.add_argument("--models", default=None,
+                   help="comma-separated of mlp, cnn, vgg11, resnet20 (default: mlp,cnn on CPU, all four on a GPU; "
+                        "comm: mlp)")
+    p.add_argument("--workers", type=int, default=None, help="n (default: 16 batching, 64 comm, 8 sweep)")
+    p.add_argument("--batch", type=int, default=16, help="batch per worker (default 16)")
+    p.add_argument("--steps", type=int, default=10, help="steps per timed block (default 10)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--sweep-epochs", type=int, default=5, help="epochs of the shortened sweep (default 5)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if args.models is None:
+        args.models = "mlp" if args.section == "comm" else (
+            "mlp,cnn,vgg11,resnet20" if device.type == "cuda" else "mlp,cnn")
+    args.models = [m.strip() for m in args.models.split(",")]
+    bad = [m for m in args.models if m not in MODELS]
+    if bad:
+        p.error(f"argument --models: unknown {bad}; valid: {list(MODELS)}")
+    if args.workers is None:
+        args.workers = {"batching": 16, "comm": 64, "sweep": 8}[args.section]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    print(json.dumps({"machine": {"cpus": os.cpu_count(), "device": name, "torch": torch.__version__,
+                                  "threads": args.threads}}), flush=True)
+    {"batching": batching, "comm": comm, "sweep": sweep}[args.section](args, device)
+
+
+if __name__ == "__main__":
+    main()

@@ -91,9 +91,13 @@ def train_stacked(args, data, config, alpha: float, lr: float, make_model) -> di
     """One run of the sweep on the engine; the same fields as ``train_one``'s."""
     torch.manual_seed(args.seed)
     module = make_model()
-    algorithm = config.build_algorithm()
-    optimizer = lambda params: torch.optim.SGD(  # noqa: E731
-        params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    if config.is_qadam:  # QAdam owns its optimizer: the engine builds it on the stacked parameter
+        algorithm = config.build_algorithm(config.build_qadam_optimizer(module.parameters(), lr=lr))
+        optimizer = None
+    else:
+        algorithm = config.build_algorithm()
+        optimizer = lambda params: torch.optim.SGD(  # noqa: E731
+            params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
     engine = Engine(module, args.workers, algorithm, optimizer, device=data.train_x.device,
                     bucket_size=config.wrap_kwargs.get("bucket_size", DEFAULT_BUCKET_SIZE))
     shares = WorkerShares(data.train_y.cpu(), args.workers, alpha, args.seed)

@@ -3,7 +3,26 @@ table, each of its topologies and modes, every worker of the engine holds after 
 the parameters its rank holds as a gloo process, within 1e-5 relative, for 4 and 8
 workers. A vectorised sum (the mean over workers, the gossip's multiply-adds) rounds in
 another order than gloo's ring or a process's term-by-term sum; those differences are a
-few float32 ulps per step, far inside the bound."""
+few float32 ulps per step, far inside the bound.
+
+Where an algorithm quantizes, such an ulp decides the 8-bit level of a value that lies at
+a rounding boundary, and the two forms can then differ by one level of that value (the
+quantization step, range/255 of its chunk). How often depends on the ulp of the quantized
+value against its level:
+
+- low_precision_decentralized quantizes z = mix(x) − x̂, a small change of weights of
+  order 0.5: an ulp of x is ~1e-3 of z's level (~2e-4 here), so a few coordinates of a
+  run take another level (observed: up to 5 of 780, differing by up to 0.94 level). Its
+  cases are held to LEVEL_RULE: every value within the exact bound except at most
+  LEVEL_RULE["coordinates"] of the coordinates, and those within LEVEL_RULE["levels"]
+  levels of the largest quantization step of the engine's run. A level taken otherwise
+  stays in x̂, neither growing nor fading (each communication mixes the workers' errors
+  with weights summing to 1), so a coordinate is off by the levels it took otherwise:
+  one in these runs. A form that quantized otherwise, or not at all, would leave nearly
+  every coordinate beyond the exact bound.
+- qadam quantizes the momentum (|m| ≲ 0.1, its level ~1e-3 here): an ulp is ~1e-5 of a
+  level, no level differs in these runs, and its cases keep the exact bound.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +30,14 @@ import pytest
 import torch
 
 import engine_cases
+from bagua_algos.compression import minmax
 from gloo_workers import run_workers
 
 RTOL = 1e-5
+# The algorithms whose quantized values may take another level in the two forms (above).
+LEVEL_RULE_ALGORITHMS = ("low_precision_decentralized",)
+LEVEL_RULE = {"coordinates": 0.02, "levels": 2.0}
+QADAM_WD = {"variant": "frozen", "weight_decay": 1e-4}
 
 CASES = [
     ("gradient_allreduce", "gradient_allreduce", {}),
@@ -29,7 +53,18 @@ CASES = [
     ("relay_double_binary_tree", "relay", {"topology": "double_binary_tree"}),
     ("relay_chain_world_size", "relay", {"topology": "chain", "mode": "world_size"}),
     ("relay_dbt_drops", "relay", {"topology": "double_binary_tree", "drop_rate": 0.3, "seed": 5}),
+    ("low_precision_decentralized", "low_precision_decentralized", {}),
+    ("low_precision_decentralized_k2", "low_precision_decentralized", {"communication_interval": 2}),
+    ("low_precision_decentralized_flat", "low_precision_decentralized", {"hierarchical": False}),
+    ("low_precision_decentralized_flat_k3", "low_precision_decentralized",
+     {"hierarchical": False, "communication_interval": 3}),
+    ("qadam", "qadam", {}),
+    ("qadam_frozen_wd", "qadam", {"optimizer": QADAM_WD}),
+    ("qadam_flat", "qadam", {"hierarchical": False}),
+    ("qadam_flat_frozen_wd", "qadam", {"hierarchical": False, "optimizer": QADAM_WD}),
 ]
+# Cases whose workers end every step with one model (the check that they differ is void).
+SAME_MODEL = ("gradient_allreduce", "allreduce_average", "qadam")
 
 
 @pytest.fixture(scope="module", params=[4, 8])
@@ -40,11 +75,106 @@ def per_rank(request):
 
 
 @pytest.mark.parametrize("label,name,kwargs", CASES, ids=[c[0] for c in CASES])
-def test_every_worker_equals_its_process(per_rank, label, name, kwargs):
+def test_every_worker_equals_its_process(per_rank, label, name, kwargs, monkeypatch):
     world, results = per_rank
     expected = torch.stack([results[rank][label] for rank in range(world)])
+    steps = _record_quantization_steps(monkeypatch) if name in LEVEL_RULE_ALGORITHMS else None
     got = engine_cases.stacked(world, name, kwargs)
     scale = expected.abs().max()
-    torch.testing.assert_close(got, expected, rtol=RTOL, atol=RTOL * float(scale))
-    if name not in ("gradient_allreduce", "allreduce_average"):
+    if steps is None:
+        torch.testing.assert_close(got, expected, rtol=RTOL, atol=RTOL * float(scale))
+    else:
+        _assert_equal_up_to_rare_levels(got, expected, RTOL * float(scale), max(steps))
+    if name not in SAME_MODEL and label != "low_precision_decentralized":  # (hierarchical, k = 1: the leader's)
         assert not torch.allclose(got[0], got[1]), "the workers' models should differ here: the check would be empty"
+
+
+def _record_quantization_steps(monkeypatch) -> list:
+    """The quantization step (range / (2^bits − 1)) of every chunk the engine encodes."""
+    steps, encode_chunks = [], minmax.encode_chunks
+
+    def recording(chunks, bits, **kwargs):
+        steps.append(float((chunks.amax(1) - chunks.amin(1)).max()) / (2 ** bits - 1))
+        return encode_chunks(chunks, bits, **kwargs)
+
+    monkeypatch.setattr(minmax, "encode_chunks", recording)
+    return steps
+
+
+def _assert_equal_up_to_rare_levels(got, expected, atol, level):
+    """LEVEL_RULE (the module's notes): a value beyond the exact bound is a coordinate
+    that took another level, which only a few may, and by at most LEVEL_RULE["levels"]."""
+    difference = (got - expected).abs()
+    beyond = difference > atol + RTOL * expected.abs()
+    coordinates = beyond.any(0).float().mean().item()  # a worker's coordinate: a column
+    assert coordinates <= LEVEL_RULE["coordinates"], (
+        f"{coordinates:.1%} of the coordinates are beyond the exact bound (at most {LEVEL_RULE['coordinates']:.0%}: "
+        "a level differs rarely)")
+    worst = difference.max().item()
+    assert worst <= LEVEL_RULE["levels"] * level, (
+        f"largest difference {worst:.3g} is beyond {LEVEL_RULE['levels']} levels of {level:.3g}")
+
+
+def _qadam_engine(optimizer_factory=None, net=None, params=None, **optimizer_kwargs):
+    """An engine of 4 QAdam workers (``params``: the QAdamOptimizer's, by default all of ``net``'s)."""
+    from bagua_algos.algorithms import QAdamAlgorithm, QAdamOptimizer
+    from bagua_algos.engine import Engine
+
+    net = net or engine_cases.model()
+    q_adam = QAdamOptimizer(params or net.parameters(), **{**engine_cases.QADAM_OPTIMIZER, **optimizer_kwargs})
+    return Engine(net, 4, QAdamAlgorithm(q_adam), optimizer_factory), net, q_adam
+
+
+def test_qadam_form_takes_its_optimizer_from_the_algorithm_and_refuses_what_it_cannot_stack():
+    engine, _, q_adam = _qadam_engine(weight_decay=0.0, variant="frozen")
+    assert type(engine.optimizer) is type(q_adam) and engine.optimizer.variant == "frozen"
+    assert engine.optimizer.warmup_steps == q_adam.warmup_steps
+    assert engine.optimizer.param_groups[0]["params"] == [engine.model.params]
+    with pytest.raises(ValueError, match="optimizer: QAdam's optimizer is the QAdamOptimizer inside"):
+        _qadam_engine(engine_cases.optimizer)
+    net = engine_cases.model()
+    groups = [{"params": [p], "lr": 0.01 * (i + 1)} for i, p in enumerate(net.parameters())]
+    with pytest.raises(ValueError, match="parameter groups with different settings"):
+        _qadam_engine(net=net, params=groups)
+    with pytest.raises(ValueError, match=r"parameters \['4.weight', '4.bias'\] are not in the QAdamOptimizer"):
+        _qadam_engine(net=net, params=list(net.parameters())[:4])
+    from bagua_algos.algorithms import QAdamAlgorithm
+    from bagua_algos.engine import Engine
+
+    first_net = engine.model.module
+    first_net(torch.randn(2, 12)).sum().backward()
+    q_adam.step()  # the first engine's QAdamOptimizer has stepped now
+    with pytest.raises(ValueError, match="q_adam_optimizer has already taken steps"):
+        Engine(first_net, 4, QAdamAlgorithm(q_adam), None)
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_low_precision_decentralized_form_names_a_worker_with_nan_weights(hierarchical):
+    from bagua_algos.algorithms import LowPrecisionDecentralizedAlgorithm
+    from bagua_algos.engine import Engine
+
+    engine = Engine(engine_cases.model(), 4, LowPrecisionDecentralizedAlgorithm(hierarchical=hierarchical),
+                    engine_cases.optimizer)
+    x, y = engine_cases.data()
+    engine.step(x[:32].view(4, 8, 12), y[:32].view(4, 8), torch.nn.functional.cross_entropy)
+    with torch.no_grad():
+        engine.model.params[2, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"the weights of worker\(s\) \[2\] have NaN/inf values"):
+        engine.form.after_step(2)
+
+
+def test_qadam_form_names_a_worker_with_nan_momentum():
+    from bagua_algos.algorithms import QAdamAlgorithm, QAdamOptimizer
+    from bagua_algos.engine import Engine
+
+    net = engine_cases.model()
+    engine = Engine(net, 4, QAdamAlgorithm(QAdamOptimizer(net.parameters(), **engine_cases.QADAM_OPTIMIZER),
+                                           hierarchical=False), None)
+    x, y = engine_cases.data()
+    for _ in range(engine_cases.QADAM_OPTIMIZER["warmup_steps"]):
+        engine.step(x[:32].view(4, 8, 12), y[:32].view(4, 8), torch.nn.functional.cross_entropy)
+    engine.form.before_forward(engine.steps + 1)  # the compression phase from here
+    with torch.no_grad():
+        engine.optimizer.state[engine.model.params]["exp_avg"][1, 7] = float("inf")
+    with pytest.raises(ValueError, match=r"the momentum of worker\(s\) \[1\] has NaN/inf values"):
+        engine.form.after_backward(engine.steps + 1)

@@ -45,7 +45,25 @@ from ..arguments import check_choice, check_flag, check_int, check_real
 from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from ..runtime.bucket import aligned_buckets
 
-__all__ = ["QAdamOptimizer", "QAdamAlgorithm", "QAdamAlgorithmImpl"]
+__all__ = ["QAdamOptimizer", "QAdamAlgorithm", "QAdamAlgorithmImpl", "in_compression", "local_momentum_"]
+
+
+def in_compression(optimizer_steps: int, warmup_steps: int) -> bool:
+    """The phase of a training step whose optimizer has taken ``optimizer_steps`` steps
+    before it: the momentum is compressed once warmup_steps of them are done (the
+    step of count warmup_steps itself still averages gradients exactly, and its
+    optimizer step leaves m and v as they are)."""
+    return optimizer_steps >= warmup_steps
+
+
+def local_momentum_(exp_avg: torch.Tensor, grad: torch.Tensor, param: torch.Tensor, beta1: float,
+                    weight_decay: float) -> torch.Tensor:
+    """A worker's own momentum in the compression phase, in place:
+    m ← β1 m + (1 − β1)(g + wd·x) (wd = 0 in Bagua's variant). Elementwise, so stacked
+    workers' rows give each worker's own."""
+    if weight_decay != 0:
+        grad = grad.add(param, alpha=weight_decay)
+    return exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
 
 
 class QAdamOptimizer(Optimizer):
@@ -154,7 +172,7 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
         return int(self.optimizer.state[param].get("step", 0))
 
     def _in_compression(self) -> bool:
-        return self.optimizer_step_id >= self.warmup_steps
+        return in_compression(self.optimizer_step_id, self.warmup_steps)
 
     def need_reset(self) -> bool:
         return self._compressing is not None and self._compressing != self._in_compression()
@@ -211,9 +229,8 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
             with torch.no_grad():
                 for tensor in bucket.tensors:
                     group = self._group_of[id(tensor)]
-                    beta1, wd = group["betas"][0], self.optimizer._decay(group)
-                    grad = tensor.grad if wd == 0 else tensor.grad.add(tensor, alpha=wd)
-                    tensor.bagua_getter_closure().mul_(beta1).add_(grad, alpha=1 - beta1)
+                    local_momentum_(tensor.bagua_getter_closure(), tensor.grad, tensor, group["betas"][0],
+                                    self.optimizer._decay(group))
 
         self._group_of = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
         bucket.append_python_op(calculate_momentum, group=self.process_group)

@@ -22,6 +22,8 @@ __all__ = [
     "DecentralizedSynchronousOp",
     "LowPrecisionDecentralizedSynchronousOp",
     "compressed_scatter_gather",
+    "reduce_encoded_chunks",
+    "low_precision_difference",
     "ring_peers",
     "AsyncModelAverageOp",
     "PEER_SELECTION_MODES",
@@ -73,9 +75,7 @@ def compressed_scatter_gather(
     comm.alltoall(sent, received, group=group)
     senders = minmax.marked(received, n)
     # a marked chunk decodes to NaN, so the reduced chunk is marked in turn
-    mine = minmax.decode_chunks(received, n, bits=bits, numel=chunk).sum(dim=0)
-    if average:
-        mine.div_(n)
+    mine = reduce_encoded_chunks(received, n, bits, chunk, average)[0]
     # the sum may overflow: then the reduced chunk is marked too
     own = minmax.encode(mine, bits, stochastic=stochastic, generator=generator, non_finite="mark")
     gathered = own.new_empty(own.numel() * n)
@@ -85,6 +85,23 @@ def compressed_scatter_gather(
     with torch.no_grad():
         flat.view(-1).copy_(result)
     return sent
+
+
+def reduce_encoded_chunks(encoded: torch.Tensor, senders: int, bits: int, chunk: int, average: bool) -> torch.Tensor:
+    """Stage 3 of :func:`compressed_scatter_gather` before its re-encoding: the sum (or,
+    with ``average``, the mean) over ``senders`` of the decoded chunks, r_k = Σ_i D(Q(c_k^i)).
+
+    ``encoded`` holds ``senders`` × m encodings of ``chunk`` values at ``bits`` bits,
+    sender-major (sender i's encodings of chunks 0 .. m−1, then sender i+1's); returns
+    the ``[m, chunk]`` reduced chunks, summed in sender order. A rank reduces the one
+    chunk it received from every member (m = 1); the one-process engine reduces every
+    chunk of every worker at once (m = n), on the bytes the workers would send."""
+    per_sender = encoded.numel() // (senders * minmax.encoded_size(chunk, bits))
+    decoded = minmax.decode_chunks(encoded, senders * per_sender, bits=bits, numel=chunk)
+    reduced = decoded.view(senders, per_sender, chunk).sum(dim=0)
+    if average:
+        reduced.div_(senders)
+    return reduced
 
 
 # A worker whose values are not finite cannot encode them, and raising alone would leave
@@ -334,6 +351,19 @@ def ring_peers(index: int, size: int) -> tuple:
     return (index - 1) % size, (index + 1) % size
 
 
+def low_precision_difference(x: torch.Tensor, weight: torch.Tensor, left: Optional[torch.Tensor] = None,
+                             right: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The change a low-precision decentralized worker quantizes and sends, a new tensor:
+    z = (x + x̂_left + x̂_right) / 3 − x̂ on the ring, z = x − x̂ for a worker without ring
+    neighbours (one gossiping worker: the ring of one). Elementwise, so the rows of
+    stacked workers (``[n, d]``, neighbours' rows gathered) give each worker's own z."""
+    if left is None and right is None:
+        return x - weight
+    if left is None or right is None:
+        raise ValueError("left and right go together: give both ring neighbours' copies, or neither")
+    return (x + left + right).div_(3).sub_(weight)
+
+
 class LowPrecisionDecentralizedSynchronousOp:
     """Bagua's low-precision decentralized SGD step on a ring, run after the optimizer
     step (Bagua's ``decentralized_low_precision_synchronous``).
@@ -427,10 +457,7 @@ class LowPrecisionDecentralizedSynchronousOp:
         left = self._state["low_precision_left_peer_weight"]
         right = self._state["low_precision_right_peer_weight"]
         with torch.no_grad():
-            if len(self.peer_ranks) == 1:
-                z = x - w
-            else:
-                z = (x + left + right).div_(3).sub_(w)
+            z = low_precision_difference(x, w, *((left, right) if len(self.peer_ranks) > 1 else ()))
             # NaN/inf: the mark; tell the neighbours, then raise with them (see _raise_if_marked)
             mine = minmax.encode(z, MINMAX_UINT8_BITS, non_finite="mark")
             decode = lambda buf: minmax.decode(buf, MINMAX_UINT8_BITS, z.numel())  # noqa: E731

@@ -43,16 +43,21 @@ def form_for(algorithm):
 
 def _register_builtin() -> None:
     from ...algorithms import (AllreduceAverageAlgorithm, AsyncModelAverageAlgorithm, DecentralizedAlgorithm,
-                               GradientAllReduceAlgorithm, RelayAlgorithm)
+                               GradientAllReduceAlgorithm, LowPrecisionDecentralizedAlgorithm, QAdamAlgorithm,
+                               RelayAlgorithm)
     from .allreduce_average import AllreduceAverageForm
     from .decentralized import DecentralizedForm
     from .gradient_allreduce import GradientAllReduceForm
+    from .low_precision_decentralized import LowPrecisionDecentralizedForm
+    from .qadam import QAdamForm
     from .relay import RelayForm
 
     register_form(GradientAllReduceAlgorithm, GradientAllReduceForm)
     register_form(AllreduceAverageAlgorithm, AllreduceAverageForm)
     register_form(DecentralizedAlgorithm, DecentralizedForm)
     register_form(RelayAlgorithm, RelayForm)
+    register_form(LowPrecisionDecentralizedAlgorithm, LowPrecisionDecentralizedForm)
+    register_form(QAdamAlgorithm, QAdamForm)
     _REFUSED[AsyncModelAverageAlgorithm] = (
         "its workers average on a background thread every sync_interval_ms of wall-clock time while "
         "training goes on, so which steps an average sees depends on each process's speed and has no "

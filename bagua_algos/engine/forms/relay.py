@@ -37,7 +37,7 @@ class _TreeEdges:
         self.edge_of = {e: k for k, e in enumerate(self.edges)}
         E = len(self.edges)
         self.pad = E
-        self.source = torch.tensor([i for i, _ in self.edges] or [0], dtype=torch.long, device=device)[:E]
+        self.source = torch.tensor([i for i, _ in self.edges], dtype=torch.long, device=device)
         # message i→j sums m_{k→i} for k in N_i∖j, in neighbour order
         most = max((len(nb) for nb in self.neighbours), default=0)
         relayed = [[self.edge_of[(k, i)] for k in self.neighbours[i] if k != j] for i, j in self.edges]
@@ -46,6 +46,14 @@ class _TreeEdges:
         # worker i's average sums m_{j→i} for j in N_i, in neighbour order
         self.incoming = [[self.edge_of[(j, i)] for j in self.neighbours[i]] for i in range(n)]
         self.in_slots = [[inc[s] if s < len(inc) else E for inc in self.incoming] for s in range(most)]
+        self.in_slot_index = [torch.tensor(slot, dtype=torch.long, device=device) for slot in self.in_slots]
+
+    def in_slot_indices(self, dropped_rows: set) -> list:
+        """The rows each worker adds, slot by slot; a dropped message's row is the zero row."""
+        if not dropped_rows:
+            return self.in_slot_index
+        return [torch.tensor([e if e not in dropped_rows else self.pad for e in slot], dtype=torch.long,
+                             device=self.source.device) for slot in self.in_slots]
 
 
 class RelayForm(StackedForm):
@@ -63,13 +71,18 @@ class RelayForm(StackedForm):
         self.dropped = 0
         params = engine.model.params.detach()
         self.x0 = params.clone() if self.mode == "world_size" else None
-        # (bucket, tree) slices and their messages, zero at the start
+        # (bucket, tree) slices: [tree, start, end, last messages, spare buffer], both
+        # [E + 1, L] with row E zero (the pad), zero messages at the start; the new
+        # messages are built in the spare and the two swap every step
         self.slices = []
         for bucket in engine.model.layout.buckets:
             for k, (a, b) in enumerate(coordinate_ranges(bucket.size, len(self.trees)) if self.trees else []):
                 rows = self.trees[k].pad + 1
-                self.slices.append((k, bucket.start + a, bucket.start + b,
-                                    torch.zeros(rows, b - a, dtype=params.dtype, device=params.device)))
+                buffers = [torch.zeros(rows, b - a, dtype=params.dtype, device=params.device) for _ in range(2)]
+                self.slices.append([k, bucket.start + a, bucket.start + b, *buffers])
+        longest = max((end - start for _, start, end, _, _ in self.slices), default=0)
+        most_edges = max((t.pad for t in self.trees), default=0)
+        self._scratch = torch.empty(max(most_edges, self.n) * longest, dtype=params.dtype, device=params.device)
         # c_{j→i} heard last step, per tree: heard[k][(j, i)]
         self.heard = [{e: 0.0 for e in t.edges} for t in self.trees]
         self.last_counts = [1.0] * len(self.trees)
@@ -100,26 +113,25 @@ class RelayForm(StackedForm):
             self.heard[k] = {(j, i): (0.0 if (k, j, i) in dropped else c) for (j, i), c in sent[k].items()}
         n_bars = [[1.0 + sum(self.heard[k][(j, i)] for j in tree.neighbours[i]) for i in range(self.n)]
                   for k, tree in enumerate(self.trees)]
-        for index, (k, start, end, old) in enumerate(self.slices):
+        for piece in self.slices:
+            k, start, end, old, new = piece
             tree = self.trees[k]
             x = params[:, start:end]
-            new = torch.zeros_like(old)
             body = new[:tree.pad]
-            body.copy_(x.index_select(0, tree.source))
+            torch.index_select(x, 0, tree.source, out=body)
+            gathered = self._scratch[:body.numel()].view_as(body)
             for slot in tree.relay_slots:
-                body.add_(old.index_select(0, slot))
-            drop_rows = [tree.edge_of[(j, i)] for kk, j, i in dropped if kk == k]
-            average = x.clone()
-            for slot in tree.in_slots:
-                rows = [e if e not in drop_rows else tree.pad for e in slot]
-                average.add_(new.index_select(0, torch.tensor(rows, device=new.device)))
+                body.add_(torch.index_select(old, 0, slot, out=gathered))
+            drop_rows = {tree.edge_of[(j, i)] for kk, j, i in dropped if kk == k}
+            heard = self._scratch[:x.numel()].view_as(x)
+            for index in tree.in_slot_indices(drop_rows):  # x½ + Σ_j m_{j→i}, in place as the per-rank form
+                x.add_(torch.index_select(new, 0, index, out=heard))
             n_bar = torch.tensor(n_bars[k], dtype=x.dtype, device=x.device).unsqueeze(1)
             if self.mode == "count":
-                average.div_(n_bar)
+                x.div_(n_bar)
             else:
-                average.addcmul_(self.x0[:, start:end], self.n - n_bar).div_(self.n)
+                x.addcmul_(self.x0[:, start:end], self.n - n_bar).div_(self.n)
             if drop_rows:
-                new[drop_rows] = 0  # a lost message is not relayed next step either
-            x.copy_(average)
-            self.slices[index] = (k, start, end, new)
+                new[sorted(drop_rows)] = 0  # a lost message is not relayed next step either
+            piece[3], piece[4] = new, old
         self.last_counts = [sum(nb) / self.n for nb in n_bars]

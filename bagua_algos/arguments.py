@@ -17,6 +17,8 @@ The rules:
   without wrapping; a worker's own stream of random choices (rounding, drops) is
   seeded with ``rank_seed(seed, rank)``, the one rule for per-rank seeds, so a rank
   draws the same numbers as a process and as a worker of the one-process engine;
+- a timeout is a positive finite number of seconds (never a bool) or a
+  ``datetime.timedelta`` of a positive length, returned as seconds;
 - a choice must equal one of the choices, a bool never standing for 0 or 1 (nor an
   int for True or False).
 """
@@ -35,6 +37,7 @@ __all__ = [
     "check_real",
     "check_seed",
     "rank_seed",
+    "check_timeout",
     "check_choice",
     "is_int",
     "is_real",
@@ -124,6 +127,16 @@ def rank_seed(seed: int, rank: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
     return (x ^ (x >> 31)) % SEED_LIMIT
+
+
+def check_timeout(value, name: str = "timeout") -> float:
+    """A timeout, in seconds (a float > 0): a positive finite number of seconds, or a
+    ``datetime.timedelta`` (anything with ``total_seconds()``) of a positive length."""
+    total_seconds = getattr(value, "total_seconds", None)
+    seconds = total_seconds() if callable(total_seconds) else value
+    if not is_real(seconds) or seconds <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds or a timedelta, got {value!r}")
+    return float(seconds)
 
 
 def _same_kind(value, choice) -> bool:

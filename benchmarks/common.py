@@ -98,6 +98,31 @@ def parse_value(text: str):
     return text.strip()
 
 
+def format_value(value) -> str:
+    """The ``--configs`` text of ``value``, read back by :func:`parse_value` as ``value``."""
+    if isinstance(value, bool) or value is None:
+        return str(value).lower()
+    if isinstance(value, (int, float)):
+        return repr(value)
+    text = str(value)
+    if isinstance(value, str) and text == text.strip() and not any(c in text for c in ";,:=") \
+            and parse_value(text) == text:
+        return text
+    raise ValueError(f"{value!r} has no --configs form (ints, floats, bools, None and plain strings have)")
+
+
+def config_spec(config) -> str:
+    """The ``--configs`` entry of a row of bagua_algos.algorithms.table (``ALGO`` or
+    ``ALGO:key=value,...``, the keys in the row's order; a ``qadam`` row's optimizer
+    arguments follow its own, as the grammar routes them back to its QAdamOptimizer)."""
+    kwargs = dict(config.kwargs)
+    if config.own_optimizer is not None:
+        kwargs.update(config.own_optimizer.kwargs)
+    if not kwargs:
+        return config.name
+    return config.name + ":" + ",".join(f"{key}={format_value(value)}" for key, value in kwargs.items())
+
+
 class BenchConfig:
     """One ``--configs`` entry: ``ddp`` or an algorithm with its arguments."""
 

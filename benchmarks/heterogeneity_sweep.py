@@ -36,23 +36,13 @@ if str(_REPO) not in sys.path:  # run as a script: make the repository importabl
 from benchmarks.common import ConfigError, parse_configs, launch_self, without_flag  # noqa: E402
 from benchmarks.sweep_data import DATASETS, DEFAULT_MODEL, MODELS  # noqa: E402
 from benchmarks.sweep_engine import Diverged  # noqa: E402
+from benchmarks.common import config_spec  # noqa: E402
+from bagua_algos.algorithms.table import ALGORITHM_TABLE  # noqa: E402
 
 COMMAND_ENV = "HETEROGENEITY_SWEEP_COMMAND"
 ENGINES = ("auto", "sim", "processes")
-DEFAULT_CONFIGS = ";".join([
-    "allreduce_average",
-    "decentralized:hierarchical=false,topology=ring",
-    "decentralized:hierarchical=false,peer_selection_mode=all",
-    "relay:topology=chain",
-    "relay:topology=binary_tree",
-    "relay:topology=double_binary_tree",
-    # the TernGrad paper's setting: clipped at 2.5 sigma. Unclipped, the non-IID runs
-    # collapse (0.64 at alpha=0.1), it seems because the largest entries set the range
-    # of each chunk and the 4 levels round the rest to +-range/3 (docs/results.md)
-    "terngrad:bits=2,clip=2.5",
-    "bytegrad:hierarchical=false",
-    "powersgd:rank=2",  # gradient compression: synchronous, so every worker holds the same model
-])
+# The table's rows marked in_sweep, in its order (bagua_algos/algorithms/table.py says why each).
+DEFAULT_CONFIGS = ";".join(config_spec(config) for config in ALGORITHM_TABLE if config.in_sweep)
 
 
 def positive_float_list(text: str) -> list[float]:

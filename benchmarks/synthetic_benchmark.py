@@ -198,9 +198,9 @@ def host_info(world_size: int) -> dict:
         "cpus_usable": usable,
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "backend": comm.get_backend(),
+        "backend": comm.get_backend_name(),
         "device": (f"cuda ({torch.cuda.get_device_name()}, {torch.cuda.device_count()} GPU(s))"
-                   if comm.get_backend() == "nccl" else "cpu"),
+                   if comm.get_backend_name() == "nccl" else "cpu"),
         "world_size": world_size,
         "torch_threads_per_worker": torch.get_num_threads(),
         "master_addr": os.environ.get("MASTER_ADDR"),

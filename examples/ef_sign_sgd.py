@@ -19,22 +19,50 @@ gradient values on each of n workers:
 The wire: an all-gather of the n scales (float32) and of the n sign vectors as int8,
 d + 4 bytes per worker instead of 4d: a quarter of the gradient's bytes. (Packing eight
 signs a byte would make it 1/32; the template keeps to what one line of torch does.)
+
+Its second form, :class:`EFSignSGDForm`, runs the same four steps on the one-process
+engine's stacked state (every worker's bucket a row), with the same pure functions, and
+is registered with ``bagua_algos.engine.register_form`` (docs/engine.md): the hook for an
+algorithm outside the package.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from bagua_algos.arguments import check_flag
+from bagua_algos.engine import StackedForm, register_form
 from bagua_algos.runtime import comm
 from bagua_algos.runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 
-__all__ = ["EFSignSGDAlgorithm", "EFSignSGDAlgorithmImpl", "scaled_sign"]
+if TYPE_CHECKING:
+    from bagua_algos.runtime.bucket import BaguaBucket
+    from bagua_algos.runtime.ddp import BaguaDistributedDataParallel
+
+__all__ = ["EFSignSGDAlgorithm", "EFSignSGDAlgorithmImpl", "EFSignSGDForm", "scaled_sign", "sign_message",
+           "message_value"]
+
+
+# The math is pure functions, tested on their own; the op below calls them, never
+# restates them.
+def sign_message(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 2 as it travels: the scale ‖p‖₁ / d and sign(p) as int8. ``p`` is one
+    worker's d values (the scale is a 1-element tensor) or n workers' rows ``[n, d]``
+    (the n scales as ``[n, 1]``)."""
+    return p.abs().mean(-1, keepdim=True), torch.sign(p).to(torch.int8)
+
+
+def message_value(scale: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """δ = scale · signs, the value a message stands for (broadcast: n scales as an
+    (n, 1) tensor against n rows of signs give the n workers' δ at once)."""
+    return scale * signs
 
 
 def scaled_sign(p: torch.Tensor) -> torch.Tensor:
-    """Step 2: (‖p‖₁ / d) · sign(p), the scaled sign of a 1-D tensor (pure math)."""
-    return p.abs().mean() * torch.sign(p)
+    """Step 2: δ = (‖p‖₁ / d) · sign(p), the scaled sign of a 1-D tensor."""
+    return message_value(*sign_message(p))
 
 
 class EFSignSGDAlgorithmImpl(AlgorithmImpl):
@@ -46,7 +74,7 @@ class EFSignSGDAlgorithmImpl(AlgorithmImpl):
         super().__init__(process_group)
         self.error_feedback = error_feedback
 
-    def init_operations(self, bagua_ddp, bucket) -> None:
+    def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
         if self.error_feedback:
             bucket.state["ef_sign_error"] = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.device)
@@ -58,16 +86,15 @@ class EFSignSGDAlgorithmImpl(AlgorithmImpl):
             p = flat.float()
             if self.error_feedback:
                 p = p + bucket.state["ef_sign_error"]                        # 1.
-            scale = p.abs().mean().reshape(1)
-            signs = torch.sign(p).to(torch.int8)
+            scale, signs = sign_message(p)                                   # 2. δ, as sent
             if self.error_feedback:
-                bucket.state["ef_sign_error"].copy_(p - scale * signs)      # 3. e ← p − δ
+                bucket.state["ef_sign_error"].copy_(p - message_value(scale, signs))  # 3. e ← p − δ
             n = self.world_size
             scales = torch.empty(n, dtype=scale.dtype, device=scale.device)
             all_signs = torch.empty(n * signs.numel(), dtype=torch.int8, device=signs.device)
-            comm.allgather(scale, scales, group=self.process_group)         # 2. the messages
+            comm.allgather(scale, scales, group=self.process_group)         # every worker's message
             comm.allgather(signs, all_signs, group=self.process_group)
-            mean = (scales[:, None] * all_signs.view(n, -1)).sum(0).div_(n)  # 4.
+            mean = message_value(scales[:, None], all_signs.view(n, -1)).sum(0).div_(n)  # 4.
             flat.copy_(mean)
         bucket.write_flat(flat)
 
@@ -92,7 +119,33 @@ class EFSignSGDAlgorithm(Algorithm):
         return EFSignSGDAlgorithmImpl(process_group, self.error_feedback)
 
 
+class EFSignSGDForm(StackedForm):
+    """The same algorithm on the engine's stacked state: each bucket of every worker is a
+    row of ``grads[:, start:end]``, so steps 1–4 run on all workers at once."""
+
+    def __init__(self, algorithm: EFSignSGDAlgorithm, engine):
+        super().__init__(algorithm, engine)
+        grads = engine.model.grads
+        self.errors = [torch.zeros(self.n, b.size, dtype=torch.float32, device=grads.device)
+                       for b in engine.model.layout.buckets] if algorithm.error_feedback else None
+
+    @torch.no_grad()
+    def after_backward(self, step: int) -> None:
+        grads = self.engine.model.grads
+        for index, bucket in enumerate(self.engine.model.layout.buckets):
+            flat = grads[:, bucket.start:bucket.end]
+            p = flat.float()
+            if self.errors is not None:
+                p = p + self.errors[index]                                   # 1.
+            scale, signs = sign_message(p)                                   # 2. every worker's δ
+            if self.errors is not None:
+                self.errors[index].copy_(p - message_value(scale, signs))    # 3. e ← p − δ
+            mean = message_value(scale, signs).sum(0).div_(self.n)           # 4.
+            flat.copy_(mean.expand_as(flat))
+
+
 GlobalAlgorithmRegistry.register("ef_sign_sgd", EFSignSGDAlgorithm, "scaled gradient signs averaged, with error feedback")
+register_form(EFSignSGDAlgorithm, EFSignSGDForm)
 
 
 def main(argv=None) -> None:

@@ -169,3 +169,15 @@ def test_no_algorithm_defines_its_own_argument_check():
         tree = ast.parse(path.read_text())
         own = [node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.lstrip("_").startswith("check")]
         assert not own, f"{path.name} defines {own}; put argument checks in bagua_algos/arguments.py"
+
+
+def test_a_timeout_is_positive_seconds_or_a_timedelta():
+    from datetime import timedelta
+
+    from bagua_algos.arguments import check_timeout
+
+    assert check_timeout(5) == 5.0 and check_timeout(timedelta(minutes=1)) == 60.0
+    for bad in (0, -1, True, float("nan"), float("inf"), "3", timedelta(0), None):
+        expected = f"timeout must be a positive number of seconds or a timedelta, got {bad!r}"
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            check_timeout(bad)

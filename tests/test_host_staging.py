@@ -1,28 +1,26 @@
 """The host staging of comm (gloo cannot take device memory, so CUDA tensors go through
 host copies), run on the CPU so that it is checked on every machine: with staging
 forced for every tensor, every collective, the neighbour exchange, the two-level
-allreduce and every algorithm give exactly what they give without it. On a GPU,
+allreduce and every algorithm (each row of the algorithm table that gives one result
+per seed) give exactly what they give without it. On a GPU,
 tests/test_gpu.py runs the same code on real CUDA tensors."""
 
 from __future__ import annotations
 
 import torch
 
+from algorithm_runs import labels_for, train_all
+from collective_cases import TWO_NODES, all_collectives, staging_communicators
 from gloo_workers import run_workers
-from test_comm import TWO_NODES, _all_collectives
-from test_gpu import _train_all
 
 
 def _everything(rank, n):
     from bagua_algos.runtime import comm
 
-    default = comm._get_default_group()
-    sub = comm.new_group([3, 1, 2])
-    objects = {"world": None, "sub": sub, "intra": default.get_intra_node_communicator(),
-               "inter": default.get_inter_node_communicator()}
+    objects = staging_communicators()
 
     def run() -> dict:
-        out = {f"collectives/{cn}": _all_collectives(cn, obj) for cn, obj in objects.items()}
+        out = {f"collectives/{cn}": all_collectives(cn, obj) for cn, obj in objects.items()}
         right, left = (rank + 1) % n, (rank - 1) % n
         mine = torch.arange(5.0) + 10 * rank
         got = {"left": torch.zeros(5), "right": torch.zeros(5), "self": torch.zeros(5)}
@@ -32,7 +30,7 @@ def _everything(rank, n):
         t = torch.arange(6.0) * (rank + 1)
         comm.hierarchical_allreduce_inplace(t, comm.ReduceOp.AVG, async_op=True).wait()
         out["hierarchical"] = {"avg": t}
-        out["algorithms"] = _train_all(rank, n, "cpu")
+        out["algorithms"] = train_all(labels_for(n), torch.device("cpu"))
         return out
 
     direct = run()

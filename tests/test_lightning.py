@@ -5,10 +5,11 @@ One group of two CPU gloo workers, started once for the module, runs every check
 processes started by torchrun (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR/PORT set), so Lightning does not launch processes; the first fit's
 strategy joins the process group itself through the plugin's runtime, later fits
-reuse it. Per algorithm: a short ``Trainer.fit`` (losses finite, replicas equal where
-the algorithm keeps them equal); gradient_allreduce against ``strategy="ddp"`` on the
-same seed; resuming from an epoch-end checkpoint against the uninterrupted fit; the
-async algorithm's background rounds stopped with the fit. Then Bagua's names that
+reuse it. Per algorithm (the first row of each name in the algorithm table): a short
+``Trainer.fit`` (losses finite, replicas equal or different as the row says);
+gradient_allreduce against ``strategy="ddp"`` on the same seed; resuming from an
+epoch-end checkpoint against the uninterrupted fit; the async algorithm's background
+rounds stopped with the fit. Then Bagua's names that
 lightning-bagua 0.1.0 imports and calls, through the compatibility package.
 """
 
@@ -25,21 +26,13 @@ pytest.importorskip("lightning")
 from gloo_workers import run_workers  # noqa: E402
 from subprocesses import free_port  # noqa: E402
 
-# name, algorithm kwargs, replicas equal (True) / differ (False) / not checked (None:
-# with two workers the ring's 8-bit gossip and a two-node relay chain leave them
-# equal here), resume is checked
-ALGORITHMS = [
-    ("gradient_allreduce", {}, True, True),
-    ("allreduce_average", {}, True, False),
-    ("decentralized", {}, False, True),
-    ("low_precision_decentralized", {}, None, False),
-    ("relay", {"topology": "chain"}, None, True),
-    ("powersgd", {"rank": 1, "min_compression_rate": 1.0}, True, True),
-    ("terngrad", {"bits": 2}, True, True),
-    ("bytegrad", {}, True, False),
-    ("qadam", {}, True, False),
-    ("async", {"sync_interval_ms": 5}, True, False),
-]
+from bagua_algos.algorithms.table import config_by_label, one_per_algorithm  # noqa: E402
+
+LABELS = [config.label for config in one_per_algorithm()]
+# Rows whose resume from an epoch-end checkpoint is checked (each costs a fit): the
+# baseline and those with state beyond the parameters (D-PSGD's exchange count, relay's
+# messages, PowerSGD's factors and error, TernGrad's generator).
+RESUMED = ("gradient_allreduce", "decentralized", "relay_chain", "powersgd", "terngrad")
 EPOCHS = 2
 
 
@@ -48,10 +41,10 @@ def _module_class():
     import torch
 
     class Tiny(L.LightningModule):
-        def __init__(self, optimizer: str = "sgd"):
+        def __init__(self, label: str = "gradient_allreduce"):
             super().__init__()
             self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-            self.optimizer_name = optimizer
+            self.label = label  # the table row: its own optimizer (QAdam's), if it has one
             self.losses = []
 
         def training_step(self, batch, batch_idx):
@@ -61,11 +54,8 @@ def _module_class():
             return loss
 
         def configure_optimizers(self):
-            if self.optimizer_name == "qadam":
-                from bagua_algos.algorithms.q_adam import QAdamOptimizer
-
-                return QAdamOptimizer(self.parameters(), lr=0.01, warmup_steps=3)
-            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            return config_by_label(self.label).optimizer_for(
+                self.parameters(), lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
 
         def train_dataloader(self):
             g = torch.Generator().manual_seed(0)
@@ -76,13 +66,13 @@ def _module_class():
     return Tiny
 
 
-def _fit(strategy, epochs=EPOCHS, optimizer="sgd", ckpt_dir=None, ckpt_path=None, module=None):
+def _fit(strategy, epochs=EPOCHS, label="gradient_allreduce", ckpt_dir=None, ckpt_path=None, module=None):
     import lightning as L
     import torch
 
     Tiny = _module_class()
     L.seed_everything(1234, verbose=False)
-    model = module if module is not None else Tiny(optimizer)
+    model = module if module is not None else Tiny(label)
     callbacks = []
     if ckpt_dir is not None:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", save_top_k=-1,
@@ -106,12 +96,15 @@ def _lightning_worker(rank, world_size, tmp):
     import bagua_algos.lightning as bl
 
     out = {"params": {}, "losses": {}, "resumed": {}}
-    for index, (name, kwargs, _, resume) in enumerate(ALGORITHMS):
+    for index, label in enumerate(LABELS):
+        config = config_by_label(label)
+        name, kwargs = config.name, dict(config.kwargs)
         strategy = "bagua" if index == 0 else bl.BaguaStrategy(name, **kwargs)
-        ckpt_dir = os.path.join(tmp, name) if resume else None
-        model, trainer, params = _fit(strategy, optimizer="qadam" if name == "qadam" else "sgd", ckpt_dir=ckpt_dir)
-        out["params"][name] = params
-        out["losses"][name] = list(model.losses)
+        resume = label in RESUMED
+        ckpt_dir = os.path.join(tmp, label) if resume else None
+        model, trainer, params = _fit(strategy, label=label, ckpt_dir=ckpt_dir)
+        out["params"][label] = params
+        out["losses"][label] = list(model.losses)
         if index == 0:
             out["strategy_type"] = type(trainer.strategy).__name__
             out["plain_module_after_fit"] = trainer.strategy.model is model and not model.bagua_ddp._framework_hooks
@@ -120,14 +113,14 @@ def _lightning_worker(rank, world_size, tmp):
             out["async"] = {"rounds": impl.rounds, "stopped": impl._future is None}
             # A second fit on the same module starts rounds again (a new implementation:
             # the module is wrapped anew) and stops them at its end.
-            _fit(bl.BaguaStrategy(name, **kwargs), epochs=1, module=model)
+            _fit(bl.BaguaStrategy(name, **kwargs), epochs=1, label=label, module=model)
             impl = model.bagua_ddp.bagua_algorithm
             out["async"].update(second_rounds=impl.rounds, second_stopped=impl._future is None)
         if resume:
             first = os.path.join(ckpt_dir, "epoch=0.ckpt")
             strategy = bl.BaguaStrategy(name, **kwargs)
-            resumed_model, _, resumed = _fit(strategy, ckpt_path=first)
-            out["resumed"][name] = (resumed, len(resumed_model.losses))
+            resumed_model, _, resumed = _fit(strategy, label=label, ckpt_path=first)
+            out["resumed"][label] = (resumed, len(resumed_model.losses))
             if name == "decentralized":
                 saved = torch.load(first, map_location="cpu", weights_only=False)["bagua_algos"]
                 out["decentralized_ckpt"] = {"world_size": saved["world_size"],
@@ -228,20 +221,25 @@ def test_strategy_name_registered(lightning_runs):
     assert all(r["plain_module_after_fit"] for r in lightning_runs)
 
 
-@pytest.mark.parametrize("name, kwargs, equal, resume", ALGORITHMS, ids=[a[0] for a in ALGORITHMS])
-def test_fit(lightning_runs, name, kwargs, equal, resume):
+def test_the_resumed_rows_are_among_the_fitted_ones():
+    assert set(RESUMED) <= set(LABELS), sorted(set(RESUMED) - set(LABELS))
+
+
+@pytest.mark.parametrize("label", LABELS)
+def test_fit(lightning_runs, label):
     import torch
 
+    config = config_by_label(label)
     for r in lightning_runs:
-        losses = r["losses"][name]
+        losses = r["losses"][label]
         assert len(losses) == EPOCHS * 4, losses
         assert all(math.isfinite(v) for v in losses), losses
-        assert torch.isfinite(r["params"][name]).all()
-    p0, p1 = (r["params"][name] for r in lightning_runs)
-    if equal:
+        assert torch.isfinite(r["params"][label]).all()
+    p0, p1 = (r["params"][label] for r in lightning_runs)
+    if config.replicas == "equal" or config.background_rounds:  # (async: the fit's end averages once)
         torch.testing.assert_close(p0, p1, rtol=0, atol=1e-6)
-    elif equal is False:
-        assert not torch.equal(p0, p1)  # decentralized: the replicas differ, as they should
+    elif config.replicas == "differ":
+        assert not torch.equal(p0, p1)  # D-PSGD: the replicas differ, as they should
 
 
 def test_gradient_allreduce_equals_ddp(lightning_runs):
@@ -251,14 +249,14 @@ def test_gradient_allreduce_equals_ddp(lightning_runs):
         torch.testing.assert_close(r["params"]["gradient_allreduce"], r["ddp"], rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("name", [a[0] for a in ALGORITHMS if a[3]])
-def test_resume_equals_uninterrupted(lightning_runs, name):
+@pytest.mark.parametrize("label", RESUMED)
+def test_resume_equals_uninterrupted(lightning_runs, label):
     import torch
 
     for r in lightning_runs:
-        params, steps = r["resumed"][name]
+        params, steps = r["resumed"][label]
         assert steps == (EPOCHS - 1) * 4  # it did start from the checkpoint
-        torch.testing.assert_close(params, r["params"][name], rtol=0, atol=0)
+        torch.testing.assert_close(params, r["params"][label], rtol=0, atol=0)
 
 
 def test_checkpoint_holds_every_ranks_state(lightning_runs):

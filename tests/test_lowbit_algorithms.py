@@ -360,6 +360,15 @@ def _train_worker(rank, n):
         model = model.with_bagua([opt], algo)
         _run(model, opt, batches[:10])
         saved = copy.deepcopy((model.state_dict(), opt.state_dict(), model.bagua_state_dict()))
+        if kind.startswith("terngrad"):
+            # The rank's stream is a CPU generator seeded rank_seed(seed, rank) that gave
+            # one key (an int64 below 2**63 - 1) per bucket and step.
+            from bagua_algos.arguments import SEED_LIMIT, rank_seed
+
+            stream = torch.Generator().manual_seed(rank_seed(algo.seed, rank))
+            for _ in range(10 * len(model.bagua_buckets)):
+                torch.randint(0, SEED_LIMIT - 1, (), generator=stream)
+            out[("stream", kind)] = torch.equal(saved[2]["algorithm_state"]["generator_state"], stream.get_state())
         _run(model, opt, batches[10:])
         straight = _flat(model)
         model2 = _mlp()
@@ -406,6 +415,7 @@ def test_resume_from_a_checkpoint_is_bit_for_bit(train_results, kind):
         assert torch.equal(straight, resumed), (kind, r, (straight - resumed).abs().max())
     if kind.startswith("terngrad"):
         assert algorithm_keys == ["generator_state"]
+        assert all(train_results[r][("stream", kind)] for r in range(TRAIN_N))
     if kind == "terngrad2_ef_clip":
         assert "terngrad_error" in bucket_keys
     if kind == "lpd":

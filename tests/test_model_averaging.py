@@ -14,6 +14,7 @@ from bagua_algos.algorithms import (
     shift_one_peer,
 )
 from bagua_algos.algorithms.relay import coordinate_ranges
+from bagua_algos.arguments import rank_seed
 from topologies import ChainTopology, get_topology
 
 from gloo_workers import run_workers
@@ -68,7 +69,7 @@ def simulate_relay(topology, steps, lr, mode="count", drop_rate=0.0, seed=0, dim
     # heard[k][i][j]: (message, count) worker i got from j over tree k last step
     heard = [[{j: (torch.zeros(e - s), 0.0) for j in tree.neighbors(i)} for i in range(n)]
              for tree, (s, e) in zip(trees, parts)]
-    gens = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in range(n)]
+    gens = [torch.Generator().manual_seed(rank_seed(seed, i)) for i in range(n)]  # the one per-rank rule
     history = [[] for _ in range(n)]
     for _ in range(steps):
         half = [x[i] - lr * (x[i] - target(i)) for i in range(n)]

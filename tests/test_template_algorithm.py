@@ -94,6 +94,35 @@ def test_two_workers_train_as_the_single_process_oracle_and_checkpoint_the_error
         torch.testing.assert_close(saved[0].sort().values, errors[rank].sort().values, rtol=1e-5, atol=1e-6)
 
 
+def test_the_engine_runs_the_template_through_its_registered_form():
+    """register_form, the hook for an algorithm outside the package: the template's
+    stacked form trains n workers in one process as the oracle's n workers."""
+    from bagua_algos.engine import Engine
+
+    engine = Engine(_model(), N, ef_sign_sgd.EFSignSGDAlgorithm(), lambda params: torch.optim.SGD(params, lr=LR))
+    x = torch.stack([_data(rank)[0] for rank in range(N)])
+    y = torch.stack([_data(rank)[1] for rank in range(N)])
+    for _ in range(STEPS):
+        engine.step(x, y, torch.nn.functional.cross_entropy)
+    expected, _ = _oracle()
+    for rank in range(N):
+        state = engine.model.worker_state(rank)
+        for (name, _), want in zip(_model().named_parameters(), expected):
+            torch.testing.assert_close(state[name], want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_engine_names_what_an_unregistered_algorithm_lacks():
+    from bagua_algos.engine import Engine
+    from bagua_algos.runtime.algorithm import Algorithm
+
+    class Unknown(Algorithm):
+        def reify(self, process_group):
+            raise NotImplementedError
+
+    with pytest.raises(TypeError, match=r"no form for Unknown.*register_form\(AlgorithmClass, FormClass\)"):
+        Engine(_model(), 2, Unknown(), lambda params: torch.optim.SGD(params, lr=LR))
+
+
 def _flatten(tree, prefix=""):
     if isinstance(tree, dict):
         for k, v in tree.items():

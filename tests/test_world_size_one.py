@@ -33,35 +33,45 @@ def _train(model, optimizer):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _one_worker(rank, world):
+def _table_rows(sgd) -> dict:
+    """Every row of the algorithm table that says it is an exact identity alone, against
+    plain SGD; a row that says it needs more workers must be refused. (The others are
+    checked below: QAdam, the low-precision ring.)"""
+    from bagua_algos.algorithms.table import ALGORITHM_TABLE
+
+    out = {}
+    for config in ALGORITHM_TABLE:
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        if not config.runs_with(1):
+            try:
+                model.with_bagua([optimizer], config.build(optimizer))
+            except ValueError as error:
+                out[config.label] = {"refused": str(error)}
+            else:
+                out[config.label] = {"refused": None}
+            continue
+        if not config.exact_alone:
+            continue
+        model = model.with_bagua([optimizer], config.build(optimizer))
+        ops = [op for bucket in model.bagua_buckets for op in bucket.ops]
+        params = _train(model, optimizer)
+        if config.background_rounds:
+            model.bagua_algorithm.abort(model)
+            params = [p.detach().clone() for p in model.parameters()]
+        out[config.label] = {"equal": all(torch.equal(a, b) for a, b in zip(params, sgd)),
+                             "local_only": all(op.local_only for op in ops),
+                             "state": {b.name: dict(b.state) for b in model.bagua_buckets}}
+    return out
+
+
+def _qadam() -> dict:
+    """QAdam in its warm-up, and after it (then the momentum is compressed, not local)."""
     import warnings
 
     from bagua_algos import algorithms as A
-    from bagua_algos.compression import minmax
 
     out = {}
-    reference = _model()
-    sgd = _train(reference, torch.optim.SGD(reference.parameters(), lr=0.1))
-    cases = {
-        "gradient_allreduce": A.GradientAllReduceAlgorithm(),
-        "bytegrad": A.ByteGradAlgorithm(),  # hierarchical: exact on one node
-        "decentralized": A.DecentralizedAlgorithm(),
-        "decentralized_flat": A.DecentralizedAlgorithm(hierarchical=False),
-        "async": A.AsyncModelAverageAlgorithm(sync_interval_ms=1),
-    }
-    for name, algorithm in cases.items():
-        model = _model()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        model = model.with_bagua([optimizer], algorithm)
-        ops = [op for bucket in model.bagua_buckets for op in bucket.ops]
-        params = _train(model, optimizer)
-        if name == "async":
-            model.bagua_algorithm.abort(model)
-            params = [p.detach().clone() for p in model.parameters()]
-        out[name] = {"equal": all(torch.equal(a, b) for a, b in zip(params, sgd)),
-                     "local_only": all(op.local_only for op in ops),
-                     "state": {b.name: dict(b.state) for b in model.bagua_buckets}}
-    # QAdam (in its warm-up, and after it: then the momentum is compressed, not local)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for warmup in (100, 3):
@@ -74,7 +84,14 @@ def _one_worker(rank, world):
             out[f"qadam_{warmup}"] = {"equal": all(torch.equal(a, b) for a, b in zip(params, qref)),
                                       "local_only": all(op.local_only for b in model.bagua_buckets
                                                         for op in b.ops if hasattr(op, "local_only"))}
-    # low-precision ring, one worker: x ← w + D(Q(x − w)) after each local step
+    return out
+
+
+def _low_precision(sgd) -> dict:
+    """The low-precision ring, one worker: x ← w + D(Q(x − w)) after each local step."""
+    from bagua_algos import algorithms as A
+    from bagua_algos.compression import minmax
+
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model = model.with_bagua([optimizer], A.LowPrecisionDecentralizedAlgorithm())
@@ -94,18 +111,30 @@ def _one_worker(rank, world):
             for p in reversed(list(reference.parameters())):
                 p.copy_(w[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
-    out["low_precision"] = {"equal": all(torch.equal(a, b.detach()) for a, b in zip(params, reference.parameters())),
-                            "moved": not all(torch.equal(a, b) for a, b in zip(params, sgd))}
-    return out
+    return {"equal": all(torch.equal(a, b.detach()) for a, b in zip(params, reference.parameters())),
+            "moved": not all(torch.equal(a, b) for a, b in zip(params, sgd))}
+
+
+def _one_worker(rank, world):
+    reference = _model()
+    sgd = _train(reference, torch.optim.SGD(reference.parameters(), lr=0.1))
+    return {**_table_rows(sgd), **_qadam(), "low_precision": _low_precision(sgd)}
 
 
 def test_every_algorithm_at_world_size_one_trains_as_it_defines():
+    from bagua_algos.algorithms.table import ALGORITHM_TABLE
+
     out = run_workers(_one_worker, 1)[0]
-    for name in ("gradient_allreduce", "bytegrad", "decentralized", "decentralized_flat", "async"):
-        assert out[name]["equal"], name
-        assert out[name]["local_only"], name
-    for name in ("decentralized", "decentralized_flat"):
-        assert out[name]["state"]["0"]["decentralized_exchanges"] == STEPS
+    exact = [c for c in ALGORITHM_TABLE if c.runs_with(1) and c.exact_alone]
+    assert {"gradient_allreduce", "bytegrad", "decentralized", "decentralized_all", "async"} <= {c.label for c in exact}
+    for config in exact:
+        assert out[config.label]["equal"], config.label
+        assert out[config.label]["local_only"], config.label
+        if config.name == "decentralized":
+            assert out[config.label]["state"]["0"]["decentralized_exchanges"] == STEPS, config.label
+    for config in ALGORITHM_TABLE:
+        if not config.runs_with(1):  # what the table says needs more workers is refused
+            assert out[config.label]["refused"] and "got 1" in out[config.label]["refused"], config.label
     assert out["qadam_100"]["equal"] and out["qadam_100"]["local_only"]
     assert not out["qadam_3"]["equal"]  # compressed momentum after 3 steps: not local, not Adam
     assert out["low_precision"]["equal"] and out["low_precision"]["moved"]

@@ -10,9 +10,15 @@ With ``communication_interval`` k > 1 the mean is taken at steps 1, k+1, 2k+1, â
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..arguments import check_interval
 from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry
 from .model_averaging import ModelAveragingAlgorithmImpl
+
+if TYPE_CHECKING:
+    from ..runtime.bucket import BaguaBucket
+    from ..runtime.ddp import BaguaDistributedDataParallel
 
 __all__ = ["AllreduceAverageAlgorithm", "AllreduceAverageAlgorithmImpl"]
 
@@ -21,7 +27,7 @@ class AllreduceAverageAlgorithmImpl(ModelAveragingAlgorithmImpl):
     """The parameters after the optimizer step, averaged by one allreduce per bucket
     (registration, hooks and schedule: :class:`ModelAveragingAlgorithmImpl`)."""
 
-    def init_operations(self, bagua_ddp, bucket) -> None:
+    def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
         bucket.append_centralized_synchronous_op(average=True, group=self.process_group)
 

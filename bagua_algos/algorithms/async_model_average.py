@@ -30,12 +30,17 @@ import concurrent.futures
 import threading
 import time
 import warnings
+from typing import TYPE_CHECKING
 
 from ..arguments import check_choice, check_int
 from ..runtime import comm
-from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+from ..runtime.algorithm import (Algorithm, AlgorithmImpl, BackwardHook, ForwardPreHook, GlobalAlgorithmRegistry,
+                                 PostBackwardHook, PostOptimizerStepHook)
 from ..runtime.bucket import BaguaBucket
 from .model_averaging import ModelAveragingAlgorithmImpl
+
+if TYPE_CHECKING:
+    from ..runtime.ddp import BaguaDistributedDataParallel
 
 __all__ = ["AsyncModelAverageAlgorithm", "AsyncModelAverageAlgorithmImpl"]
 
@@ -43,6 +48,10 @@ __all__ = ["AsyncModelAverageAlgorithm", "AsyncModelAverageAlgorithmImpl"]
 class AsyncModelAverageAlgorithmImpl(ModelAveragingAlgorithmImpl):
     """Model averaging after the warm-up; during it, gradient allreduce (the
     defaults of ``AlgorithmImpl``), so the hooks are its own."""
+
+    # The weights are locked from the forward pre-hook until the step's hook unlocks
+    # them: without an optimizer step the background rounds would wait for ever.
+    needs_optimizer_step = True
 
     def __init__(self, process_group, peer_selection_mode: str = "all", sync_interval_ms: int = 500,
                  warmup_steps: int = 0):
@@ -72,12 +81,12 @@ class AsyncModelAverageAlgorithmImpl(ModelAveragingAlgorithmImpl):
         self.step_id += 1
         return self.warmup_steps > 0 and self.step_id == self.warmup_steps + 1
 
-    def init_tensors(self, bagua_ddp):
+    def init_tensors(self, bagua_ddp: BaguaDistributedDataParallel) -> list:
         if self._warmup_buckets:
             return AlgorithmImpl.init_tensors(self, bagua_ddp)  # the gradients
         return super().init_tensors(bagua_ddp)  # the parameters
 
-    def tensors_to_buckets(self, tensors, do_flatten):
+    def tensors_to_buckets(self, tensors: list, do_flatten: bool) -> list[BaguaBucket]:
         if not any(tensors):
             raise ValueError(
                 "AsyncModelAverageAlgorithm: the module has no parameter that requires grad, so there are "
@@ -89,7 +98,7 @@ class AsyncModelAverageAlgorithmImpl(ModelAveragingAlgorithmImpl):
             return super().tensors_to_buckets(tensors, do_flatten)
         return [BaguaBucket([t for group in tensors for t in group], flatten=True, name="0")]
 
-    def init_operations(self, bagua_ddp, bucket):
+    def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
         if self._warmup_buckets:
             bucket.append_centralized_synchronous_op(average=True, group=self.process_group)
@@ -99,7 +108,7 @@ class AsyncModelAverageAlgorithmImpl(ModelAveragingAlgorithmImpl):
             )
 
     # --- hooks ----------------------------------------------------------------------
-    def init_forward_pre_hook(self, bagua_ddp):
+    def init_forward_pre_hook(self, bagua_ddp: BaguaDistributedDataParallel) -> ForwardPreHook:
         def hook(inputs):
             if self._warming_up:
                 return
@@ -109,21 +118,21 @@ class AsyncModelAverageAlgorithmImpl(ModelAveragingAlgorithmImpl):
 
         return hook
 
-    def init_backward_hook(self, bagua_ddp):
+    def init_backward_hook(self, bagua_ddp: BaguaDistributedDataParallel) -> BackwardHook:
         def hook(name, parameter):
             if self._warming_up:
                 parameter.bagua_mark_communication_ready()
 
         return hook
 
-    def init_post_backward_hook(self, bagua_ddp):
+    def init_post_backward_hook(self, bagua_ddp: BaguaDistributedDataParallel) -> PostBackwardHook:
         def hook():
             if self._warming_up:
                 bagua_ddp._bagua_backend.wait_pending_comm_ops()
 
         return hook
 
-    def init_post_optimizer_step_hook(self, bagua_ddp):
+    def init_post_optimizer_step_hook(self, bagua_ddp: BaguaDistributedDataParallel) -> PostOptimizerStepHook:
         def hook(optimizer):
             if not self._warming_up:
                 self._unlock(bagua_ddp)

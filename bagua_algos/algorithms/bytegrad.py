@@ -15,9 +15,15 @@ exact average). The result is g ≈ (1/n) Σ_i g_i (``average=True``) or Σ_i g_
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..arguments import check_flag
 from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from ..runtime.bucket import aligned_buckets
+
+if TYPE_CHECKING:
+    from ..runtime.bucket import BaguaBucket
+    from ..runtime.ddp import BaguaDistributedDataParallel
 
 __all__ = ["ByteGradAlgorithm", "ByteGradAlgorithmImpl"]
 
@@ -28,10 +34,10 @@ class ByteGradAlgorithmImpl(AlgorithmImpl):
         self.hierarchical = hierarchical
         self.average = average
 
-    def tensors_to_buckets(self, tensors, do_flatten):
+    def tensors_to_buckets(self, tensors: list, do_flatten: bool) -> list[BaguaBucket]:
         return aligned_buckets(tensors, do_flatten, self.world_size)  # one chunk per worker
 
-    def init_operations(self, bagua_ddp, bucket):
+    def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
         bucket.append_centralized_synchronous_op(
             hierarchical=self.hierarchical,

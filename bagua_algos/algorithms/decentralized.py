@@ -26,18 +26,26 @@ result is broadcast within the node; on one node that is the exact average.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..arguments import check_choice, check_flag, check_interval
 from ..runtime import comm
-from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+from ..runtime.algorithm import (Algorithm, ForwardPreHook, GlobalAlgorithmRegistry, PostBackwardHook,
+                                 PostOptimizerStepHook)
 from ..runtime.bucket import BaguaBucket
 from ..runtime.ops import PEER_SELECTION_MODES, shift_one_peer
 from ..runtime.topology import check_topology_arg, resolve_topology
 from .model_averaging import ModelAveragingAlgorithmImpl
 
+if TYPE_CHECKING:
+    from ..runtime.ddp import BaguaDistributedDataParallel
+
 __all__ = ["DecentralizedAlgorithm", "DecentralizedAlgorithmImpl", "shift_one_peer", "PEER_SELECTION_MODES"]
 
 
 class DecentralizedAlgorithmImpl(ModelAveragingAlgorithmImpl):
+    needs_optimizer_step = False  # it communicates in forward and backward, not after the step
+
     def __init__(self, process_group, hierarchical=True, peer_selection_mode="all",
                  communication_interval=1, topology=None):
         super().__init__(process_group, communication_interval)
@@ -51,7 +59,7 @@ class DecentralizedAlgorithmImpl(ModelAveragingAlgorithmImpl):
                 peers, members = comm.get_world_size(process_group), "the process group"
             self.topology = resolve_topology(topology, peers, members=members)
 
-    def tensors_to_buckets(self, tensors, do_flatten):
+    def tensors_to_buckets(self, tensors: list, do_flatten: bool) -> list[BaguaBucket]:
         tensors = [t for group in tensors for t in group]
         if not tensors:
             raise ValueError(
@@ -60,7 +68,7 @@ class DecentralizedAlgorithmImpl(ModelAveragingAlgorithmImpl):
             )
         return [BaguaBucket(tensors, flatten=do_flatten, name="0")]
 
-    def init_operations(self, bagua_ddp, bucket):
+    def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
         peer_weight = bucket.flattened_tensor().ensure_bagua_tensor("peer_weight")
         bucket._decentralized_op = bucket.append_decentralized_synchronous_op(
@@ -71,7 +79,7 @@ class DecentralizedAlgorithmImpl(ModelAveragingAlgorithmImpl):
             topology=self.topology,
         )
 
-    def init_forward_pre_hook(self, bagua_ddp):
+    def init_forward_pre_hook(self, bagua_ddp: BaguaDistributedDataParallel) -> ForwardPreHook:
         def hook(inputs):
             if self._should_communicate(bagua_ddp):
                 for tensor in self.tensors:
@@ -79,7 +87,7 @@ class DecentralizedAlgorithmImpl(ModelAveragingAlgorithmImpl):
 
         return hook
 
-    def init_post_backward_hook(self, bagua_ddp):
+    def init_post_backward_hook(self, bagua_ddp: BaguaDistributedDataParallel) -> PostBackwardHook:
         def hook():
             if self._should_communicate(bagua_ddp):
                 bagua_ddp._bagua_backend.wait_pending_comm_ops()
@@ -88,9 +96,10 @@ class DecentralizedAlgorithmImpl(ModelAveragingAlgorithmImpl):
 
         return hook
 
-    # The exchange runs during forward and backward, not after the optimizer step (the
-    # default hook, which also tells with_bagua that no optimizer is needed).
-    init_post_optimizer_step_hook = AlgorithmImpl.init_post_optimizer_step_hook
+    def init_post_optimizer_step_hook(self, bagua_ddp: BaguaDistributedDataParallel) -> PostOptimizerStepHook:
+        # The exchange runs during forward and backward (above): nothing after the
+        # step, where model averaging's default hook would average once more.
+        return lambda optimizer: None
 
 
 _UNSET = object()

@@ -9,8 +9,14 @@ is ready, so communication overlaps the rest of backward; the post-backward hook
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..arguments import check_flag
 from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+
+if TYPE_CHECKING:
+    from ..runtime.bucket import BaguaBucket
+    from ..runtime.ddp import BaguaDistributedDataParallel
 
 __all__ = ["GradientAllReduceAlgorithm", "GradientAllReduceAlgorithmImpl"]
 
@@ -21,7 +27,7 @@ class GradientAllReduceAlgorithmImpl(AlgorithmImpl):
         self.hierarchical = hierarchical
         self.average = average
 
-    def init_operations(self, bagua_ddp, bucket) -> None:
+    def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
         bucket.append_centralized_synchronous_op(
             hierarchical=self.hierarchical, average=self.average, group=self.process_group

@@ -21,9 +21,15 @@ broadcast, so every copy starts at the common model).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..arguments import check_flag, check_interval
-from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry
+from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry, PostOptimizerStepHook
 from .model_averaging import ModelAveragingAlgorithmImpl
+
+if TYPE_CHECKING:
+    from ..runtime.bucket import BaguaBucket
+    from ..runtime.ddp import BaguaDistributedDataParallel
 
 __all__ = ["LowPrecisionDecentralizedAlgorithm", "LowPrecisionDecentralizedAlgorithmImpl"]
 
@@ -33,7 +39,7 @@ class LowPrecisionDecentralizedAlgorithmImpl(ModelAveragingAlgorithmImpl):
         super().__init__(process_group, communication_interval)
         self.hierarchical = hierarchical
 
-    def init_tensors(self, bagua_ddp):
+    def init_tensors(self, bagua_ddp: BaguaDistributedDataParallel) -> list:
         super().init_tensors(bagua_ddp)
         parameters = bagua_ddp.bagua_build_params()
         in_optimizers = {id(p) for opt in bagua_ddp.bagua_optimizers for group in opt.param_groups for p in group["params"]}
@@ -46,7 +52,7 @@ class LowPrecisionDecentralizedAlgorithmImpl(ModelAveragingAlgorithmImpl):
                 )
         return self.tensors
 
-    def init_post_optimizer_step_hook(self, bagua_ddp):
+    def init_post_optimizer_step_hook(self, bagua_ddp: BaguaDistributedDataParallel) -> PostOptimizerStepHook:
         # Bagua's: the parameters of the optimizer that stepped (every parameter is in one).
         def hook(optimizer):
             if self._should_communicate(bagua_ddp):
@@ -58,7 +64,7 @@ class LowPrecisionDecentralizedAlgorithmImpl(ModelAveragingAlgorithmImpl):
 
         return hook
 
-    def init_operations(self, bagua_ddp, bucket):
+    def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
         bucket._weight = bucket.flattened_tensor().ensure_bagua_tensor("weight")
         bucket._left_peer_weight = bucket.flattened_tensor().ensure_bagua_tensor("left_peer_weight")

@@ -11,7 +11,12 @@ wait for the buckets' ops); an algorithm that communicates elsewhere overrides
 
 from __future__ import annotations
 
-from ..runtime.algorithm import AlgorithmImpl
+from typing import TYPE_CHECKING
+
+from ..runtime.algorithm import AlgorithmImpl, BackwardHook, PostBackwardHook, PostOptimizerStepHook
+
+if TYPE_CHECKING:
+    from ..runtime.ddp import BaguaDistributedDataParallel
 
 __all__ = ["ModelAveragingAlgorithmImpl", "communicates_at"]
 
@@ -25,6 +30,8 @@ def communicates_at(step: int, communication_interval: int) -> bool:
 class ModelAveragingAlgorithmImpl(AlgorithmImpl):
     """An ``AlgorithmImpl`` whose Bagua tensors are the parameters."""
 
+    needs_optimizer_step = True  # by default the parameters are averaged after the step
+
     def __init__(self, process_group, communication_interval: int = 1):
         super().__init__(process_group)
         self.communication_interval = communication_interval
@@ -32,20 +39,20 @@ class ModelAveragingAlgorithmImpl(AlgorithmImpl):
     def _should_communicate(self, bagua_ddp) -> bool:
         return communicates_at(bagua_ddp.bagua_train_step_counter, self.communication_interval)
 
-    def init_tensors(self, bagua_ddp):
+    def init_tensors(self, bagua_ddp: BaguaDistributedDataParallel) -> list:
         self.tensors = [
             param.ensure_bagua_tensor(name, bagua_ddp.bagua_module_name)
             for name, param in reversed(bagua_ddp.bagua_build_params())
         ]
         return self.tensors
 
-    def init_backward_hook(self, bagua_ddp):
+    def init_backward_hook(self, bagua_ddp: BaguaDistributedDataParallel) -> BackwardHook:
         return lambda name, param: None  # gradients stay local
 
-    def init_post_backward_hook(self, bagua_ddp):
+    def init_post_backward_hook(self, bagua_ddp: BaguaDistributedDataParallel) -> PostBackwardHook:
         return lambda: None
 
-    def init_post_optimizer_step_hook(self, bagua_ddp):
+    def init_post_optimizer_step_hook(self, bagua_ddp: BaguaDistributedDataParallel) -> PostOptimizerStepHook:
         def hook(optimizer):
             if self._should_communicate(bagua_ddp):
                 for tensor in self.tensors:

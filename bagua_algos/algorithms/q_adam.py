@@ -36,16 +36,21 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Tuple
+from typing import TYPE_CHECKING, Tuple
 
 import torch
 from torch.optim.optimizer import Optimizer
 
 from ..arguments import check_choice, check_flag, check_int, check_real
-from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+from ..runtime.algorithm import Algorithm, AlgorithmImpl, BackwardHook, GlobalAlgorithmRegistry
 from ..runtime.bucket import aligned_buckets
 
+if TYPE_CHECKING:
+    from ..runtime.bucket import BaguaBucket
+    from ..runtime.ddp import BaguaDistributedDataParallel
+
 __all__ = ["QAdamOptimizer", "QAdamAlgorithm", "QAdamAlgorithmImpl", "in_compression", "local_momentum_"]
+
 
 
 def in_compression(optimizer_steps: int, warmup_steps: int) -> bool:
@@ -177,7 +182,7 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
     def need_reset(self) -> bool:
         return self._compressing is not None and self._compressing != self._in_compression()
 
-    def init_tensors(self, bagua_ddp):
+    def init_tensors(self, bagua_ddp: BaguaDistributedDataParallel) -> list:
         module_params = bagua_ddp.bagua_build_params()
         names = {id(p): name for name, p in module_params}
         order = {id(p): index for index, (_, p) in enumerate(reversed(module_params))}
@@ -214,10 +219,10 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
         self._names = set(names.values())
         return tensors
 
-    def tensors_to_buckets(self, tensors, do_flatten):
+    def tensors_to_buckets(self, tensors: list, do_flatten: bool) -> list[BaguaBucket]:
         return aligned_buckets(tensors, do_flatten, self.world_size)  # one chunk per worker
 
-    def init_operations(self, bagua_ddp, bucket):
+    def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
         if not self._compressing:
             bucket.append_centralized_synchronous_op(hierarchical=False, average=True, group=self.process_group)
@@ -239,7 +244,7 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
             compression="MinMaxUInt8", group=self.process_group,
         )
 
-    def init_backward_hook(self, bagua_ddp):
+    def init_backward_hook(self, bagua_ddp: BaguaDistributedDataParallel) -> BackwardHook:
         def hook(parameter_name, parameter):
             if parameter_name in self._names:
                 parameter.bagua_mark_communication_ready()

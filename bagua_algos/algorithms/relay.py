@@ -27,13 +27,19 @@ adds the received messages to x½ in place in neighbor order and divides once.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from ..arguments import check_choice, check_real, check_seed
+from ..arguments import check_choice, check_real, check_seed, rank_seed
 from ..runtime import comm
-from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry
+from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry, PostOptimizerStepHook
 from ..runtime.topology import check_topology_arg, resolve_topology
 from .model_averaging import ModelAveragingAlgorithmImpl
+
+if TYPE_CHECKING:
+    from ..runtime.bucket import BaguaBucket
+    from ..runtime.ddp import BaguaDistributedDataParallel
 
 __all__ = ["RelayAlgorithm", "RelayAlgorithmImpl", "RELAY_MODES", "relay_messages", "relay_average", "coordinate_ranges"]
 
@@ -133,41 +139,46 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
     its own): ``relay_received`` (tree → neighbor → last message m_{j→i} of that
     slice) and, in mode "world_size", ``relay_x0``. The rest is the same for every
     bucket and is the algorithm's ``state_dict()``: step, counts heard per tree link,
-    last n̄ per tree, drops and the drop generator."""
+    last n̄ per tree, drops and the drop generator.
+
+    Two rank spaces: the trees' nodes, and every ``j`` called a neighbor or a peer
+    here, are *group ranks* (0 … world_size − 1 inside the process group, as
+    ``self.rank``); ``comm``'s ``group=`` calls take *global ranks*, so a peer is
+    translated by ``global_rank_of_peer[j]`` where a message is posted, and nowhere else.
+    """
 
     def __init__(self, process_group, topology, mode, drop_rate, seed):
         super().__init__(process_group)
-        self.global_ranks = comm.group_ranks(process_group)
-        self.n = len(self.global_ranks)
-        self.me = comm.group_rank(process_group)
-        self.topology = resolve_topology(topology, self.n, require_tree=True)
+        self.global_rank_of_peer: list[int] = comm.group_ranks(process_group)  # group rank → global rank
+        self.topology = resolve_topology(topology, self.world_size, require_tree=True)
         self.trees = self.topology.trees
         self.mode = mode
         self.drop_rate = drop_rate
-        # (mod 2**64: any seed in [0, 2**63) gives manual_seed a value it takes)
-        self.generator = torch.Generator().manual_seed((seed * 1_000_003 + self.me) % 2**64)
+        self.generator = torch.Generator().manual_seed(rank_seed(seed, self.rank))  # the simulated drops
         self.step = 0
         self.last_counts: list[float] = [1.0] * len(self.trees)  # n̄ of each tree, last step
         self.dropped = 0
         self._links: dict[tuple[str, int], _Link] = {}
         # Counts are per tree link (equal for every bucket): c_{j→i} heard last step.
-        self._heard_counts = [{j: 0.0 for j in tree.neighbors(self.me)} for tree in self.trees]
+        me = self.rank
+        self._heard_counts = [{j: 0.0 for j in tree.neighbors(me)} for tree in self.trees]
         # Each neighbor (in any tree) exchanges one float64 tensor of counts per step,
         # one entry per tree the two share, in tree order.
         self._count_trees: dict[int, list[int]] = {}
         for k, tree in enumerate(self.trees):
-            for j in tree.neighbors(self.me):
+            for j in tree.neighbors(me):
                 self._count_trees.setdefault(j, []).append(k)
         self._count_send: dict[int, torch.Tensor] = {}
         self._count_recv: dict[int, torch.Tensor] = {}
 
-    def init_operations(self, bagua_ddp, bucket):
+    def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
         # No bucket ops: the relay runs on the training thread after the optimizer step.
         bucket.clear_ops()
         ranges = coordinate_ranges(bucket.numel, len(self.trees))
         received = bucket.state["relay_received"] = {}
         for k, (tree, (start, end)) in enumerate(zip(self.trees, ranges)):
-            link = self._links[(bucket.name, k)] = _Link(start, end, tree.neighbors(self.me), bucket.dtype, bucket.device)
+            link = _Link(start, end, tree.neighbors(self.rank), bucket.dtype, bucket.device)
+            self._links[(bucket.name, k)] = link
             received[k] = link.recv
         if not self._count_send:
             # Counts live on the CPU whatever the model's device: they are read on the host
@@ -180,7 +191,7 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
             # with_bagua broadcast the parameters before calling us: this is the common x0.
             bucket.state["relay_x0"] = bucket.flattened_tensor()
 
-    def init_post_optimizer_step_hook(self, bagua_ddp):
+    def init_post_optimizer_step_hook(self, bagua_ddp: BaguaDistributedDataParallel) -> PostOptimizerStepHook:
         def hook(optimizer):
             self.relay_step(bagua_ddp.bagua_buckets)
 
@@ -191,7 +202,7 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
         if not buckets:
             self.step += 1
             return
-        ranks = self.global_ranks
+        global_rank = self.global_rank_of_peer
         flats = [bucket.flat_view() for bucket in buckets]
         sends, recvs = [], []
         for bucket, flat in zip(buckets, flats):
@@ -202,16 +213,16 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
                     link.spare = {j: link.spare[j] if targets[j] is link.recv[j] else link.recv[j] for j in link.neighbors}
                 link.recv.update(targets)  # in place: bucket.state holds this dict
                 for j in link.neighbors:
-                    sends.append((ranks[j], messages[j]))
-                    recvs.append((ranks[j], targets[j]))
+                    sends.append((global_rank[j], messages[j]))
+                    recvs.append((global_rank[j], targets[j]))
         count_sends, count_recvs = [], []
         for j, trees in self._count_trees.items():
             outgoing = self._count_send[j]
             for index, k in enumerate(trees):
                 heard = self._heard_counts[k]
                 outgoing[index] = 1.0 + sum(c for other, c in heard.items() if other != j)
-            count_sends.append((ranks[j], outgoing))
-            count_recvs.append((ranks[j], self._count_recv[j]))
+            count_sends.append((global_rank[j], outgoing))
+            count_recvs.append((global_rank[j], self._count_recv[j]))
         # Messages on the model's device, counts on the CPU: two exchanges in flight at once.
         counts = comm.start_neighbor_exchange(count_sends, count_recvs, group=self.process_group)
         comm.neighbor_exchange(sends, recvs, group=self.process_group)
@@ -227,7 +238,7 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
                 link = self._links[(bucket.name, k)]
                 received = [link.recv[j] for j in link.neighbors if (k, j) not in dropped]
                 x0 = bucket.state["relay_x0"][link.start:link.end] if self.mode == "world_size" else None
-                relay_average(flat[link.start:link.end], received, n_bars[k], self.mode, self.n, x0)
+                relay_average(flat[link.start:link.end], received, n_bars[k], self.mode, self.world_size, x0)
                 for tree_index, peer in dropped:
                     if tree_index == k:
                         link.recv[peer].zero_()  # not relayed next step either (its count is 0)
@@ -241,7 +252,7 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
             return set()
         dropped = set()
         for k, tree in enumerate(self.trees):
-            for j in tree.neighbors(self.me):
+            for j in tree.neighbors(self.rank):
                 if torch.rand((), generator=self.generator).item() < self.drop_rate:
                     dropped.add((k, j))
         self.dropped += len(dropped)
@@ -282,7 +293,8 @@ class RelayAlgorithm(Algorithm):
         mode: "count" divides by the number of models received (n̄); "world_size" fills
             the models not yet received with the initial model x0 and divides by n.
         drop_rate: probability that a message is lost (simulated, for robustness studies).
-        seed: seeds the simulated drops.
+        seed: seeds the simulated drops: rank r draws from a CPU generator seeded
+            ``rank_seed(seed, r)`` (r its rank in the process group).
     """
 
     def __init__(self, topology="double_binary_tree", mode: str = "count", drop_rate: float = 0.0, seed: int = 0):

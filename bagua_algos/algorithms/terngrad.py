@@ -6,13 +6,23 @@ of :mod:`bagua_algos.compression.minmax` at ``bits`` bits: one chunk per worker,
 chunk quantized to 2^bits levels between its min and max, all-to-all, each worker
 decodes and averages its chunk, quantizes it again, all-gather, decode. The result is
 ĝ ≈ (1/n) Σ_i g_i. With stochastic rounding (the default, as TernGrad) each
-quantization is unbiased, so E[ĝ] = (1/n) Σ_i g_i; the random numbers come from a
-generator seeded with ``seed + rank``, saved in the algorithm's ``state_dict``.
+quantization is unbiased, so E[ĝ] = (1/n) Σ_i g_i.
+
+Random numbers (:class:`RoundingStream`): rank r's stream is a CPU generator seeded
+``rank_seed(seed, r)`` (:func:`bagua_algos.arguments.rank_seed`, the one rule for
+per-rank seeds), saved in the algorithm's ``state_dict``. Each bucket's reduction
+draws one key from it and seeds a generator on the bucket's device with the key; the
+codec's uniforms come from that generator (mt19937 on the CPU; on CUDA Philox, whose
+Triton kernels key their own Philox with one draw of it). So a rank's stream advances
+alike on every device, and the one-process engine, holding one stream per worker,
+draws every worker's numbers as its process does on the same device. A CPU run and a
+CUDA run of one seed round different values (each unbiased).
 
 Options, applied to each worker's contribution before the first quantization:
 
 - ``clip=c`` (TernGrad's gradient clipping): g ← clamp(g, −c·σ, c·σ), σ the standard
-  deviation of the bucket's gradient values (per bucket, not per layer);
+  deviation of the bucket's values, padding included (per bucket, not per layer;
+  :func:`clip_rows_by_std`);
 - ``error_feedback=True``: v = g + e is sent instead of g, and the error of the *first*
   quantization, the only one this worker controls, is kept for the next step:
   e ← v − D(Q(v)) (Q the chunk-wise encoding this worker sends, D its decoding). The
@@ -26,24 +36,58 @@ A worker sends (n−1)/n · (N·bits/8 + 10n) bytes in the all-to-all and about 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from ..arguments import check_choice, check_flag, check_real, check_seed
+from ..arguments import SEED_LIMIT, check_choice, check_flag, check_real, check_seed, rank_seed
 from ..compression import minmax
-from ..runtime import comm
 from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from ..runtime.bucket import aligned_buckets
 from ..runtime.ops import compressed_scatter_gather
 
-__all__ = ["TernGradAlgorithm", "TernGradAlgorithmImpl", "clip_by_std"]
+if TYPE_CHECKING:
+    from ..runtime.bucket import BaguaBucket
+    from ..runtime.ddp import BaguaDistributedDataParallel
+
+__all__ = ["TernGradAlgorithm", "TernGradAlgorithmImpl", "RoundingStream", "clip_by_std", "clip_rows_by_std"]
+
+
+def clip_rows_by_std(rows: torch.Tensor, c: float) -> torch.Tensor:
+    """TernGrad's clipping of each row of ``rows`` (``[R, m]``), in place: row r clamped
+    to [−c·σ_r, c·σ_r], σ_r its population standard deviation (computed in float32);
+    a row with σ_r = 0 (or NaN) is left alone. The bound is c·σ_r in float64 rounded
+    to the rows' dtype once, as a Python-scalar clamp rounds it."""
+    sigma = rows.float().std(dim=1, unbiased=False)
+    bound = (sigma.double() * c).to(rows.dtype)
+    bound = torch.where(sigma > 0, bound, torch.full_like(bound, float("inf"))).unsqueeze(1)
+    return rows.clamp_(-bound, bound)
 
 
 def clip_by_std(g: torch.Tensor, c: float) -> torch.Tensor:
-    """TernGrad's clipping: g clamped to [−c·σ, c·σ], σ = std(g) (population), in place."""
-    sigma = float(g.float().std(unbiased=False)) if g.numel() > 1 else 0.0
-    if sigma > 0:
-        g.clamp_(-c * sigma, c * sigma)
+    """:func:`clip_rows_by_std` of the flat ``g`` as one row, in place."""
+    clip_rows_by_std(g.view(1, -1), c)
     return g
+
+
+class RoundingStream:
+    """The random numbers of one rank's stochastic rounding (the module's notes): a CPU
+    generator seeded ``rank_seed(seed, rank)``; :meth:`reduction_generator` draws the
+    next key from it and returns a generator on ``device`` seeded with that key, the one
+    a bucket's reduction rounds with. The per-rank algorithm holds one, the
+    one-process engine one per worker."""
+
+    def __init__(self, seed: int, rank: int):
+        self.generator = torch.Generator().manual_seed(rank_seed(seed, rank))
+        self._on_device: dict = {}  # device → the generator a key seeds there
+
+    def reduction_generator(self, device) -> torch.Generator:
+        key = int(torch.randint(0, SEED_LIMIT - 1, (), generator=self.generator))  # a CPU draw: no device wait
+        device = torch.device(device)
+        generator = self._on_device.get(device)
+        if generator is None:
+            generator = self._on_device[device] = torch.Generator(device=device)
+        return generator.manual_seed(key)
 
 
 class TernGradAlgorithmImpl(AlgorithmImpl):
@@ -55,21 +99,29 @@ class TernGradAlgorithmImpl(AlgorithmImpl):
         self.error_feedback = error_feedback
         self.clip = clip
         self.seed = seed
-        self.generator = None
+        self.rounding = RoundingStream(seed, self.rank)
 
-    def tensors_to_buckets(self, tensors, do_flatten):
+    def tensors_to_buckets(self, tensors: list, do_flatten: bool) -> list[BaguaBucket]:
         return aligned_buckets(tensors, do_flatten, self.world_size)  # one chunk per worker
 
-    def init_operations(self, bagua_ddp, bucket):
+    def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
-        if self.generator is None or self.generator.device != bucket.device:
-            # One generator per worker; the buckets run in a fixed order on the
-            # communication thread, so the draws are reproducible.
-            self.generator = torch.Generator(device=bucket.device)
-            self.generator.manual_seed(self.seed + comm.get_rank())
         if self.error_feedback:
             bucket.state["terngrad_error"] = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.device)
         bucket.append_python_op(lambda name: self._reduce(bucket), group=self.process_group)
+
+    def _rounding_generator(self, device: torch.device) -> torch.Generator | None:
+        """The generator of one bucket's stochastic rounding: a generator on ``device``
+        seeded with the next key of this rank's stream (None with nearest rounding,
+        which draws nothing). The buckets run in a fixed order on the communication
+        thread, so the keys are reproducible."""
+        if not self.stochastic:
+            return None
+        key = int(torch.randint(0, SEED_LIMIT - 1, (), generator=self.generator))  # a CPU draw: no device wait
+        generator = self._key_generators.get(device)
+        if generator is None:
+            generator = self._key_generators[device] = torch.Generator(device=device)
+        return generator.manual_seed(key)
 
     def _reduce(self, bucket) -> None:
         flat = bucket.flat_view()
@@ -80,8 +132,10 @@ class TernGradAlgorithmImpl(AlgorithmImpl):
             if self.error_feedback:
                 v.add_(bucket.state["terngrad_error"])
             result = v.clone()
+            # the buckets run in a fixed order on the communication thread: reproducible keys
+            generator = self.rounding.reduction_generator(result.device) if self.stochastic else None
             sent = compressed_scatter_gather(result, self.bits, True, self.process_group,
-                                             stochastic=self.stochastic, generator=self.generator)
+                                             stochastic=self.stochastic, generator=generator)
             if self.error_feedback:
                 # e ← v − D(Q(v)): the error of this worker's own (first) quantization.
                 chunk = -(-v.numel() // self.world_size)
@@ -91,12 +145,12 @@ class TernGradAlgorithmImpl(AlgorithmImpl):
         bucket.write_flat(flat)
 
     def state_dict(self) -> dict:
-        return {"generator_state": None if self.generator is None else self.generator.get_state()}
+        return {"generator_state": self.rounding.generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         if state.get("generator_state") is not None:
-            self.generator.set_state(state["generator_state"].clone())
+            self.rounding.generator.set_state(state["generator_state"].clone())
 
 
 class TernGradAlgorithm(Algorithm):
@@ -110,7 +164,8 @@ class TernGradAlgorithm(Algorithm):
             next step's gradient.
         clip: None (off) or c > 0: clip the gradient to ±c·σ before quantizing
             (TernGrad suggests c = 2.5).
-        seed: the stochastic rounding of rank r draws from a generator seeded seed + r.
+        seed: the stochastic rounding of rank r draws from a CPU generator seeded
+            ``rank_seed(seed, r)`` (the module's notes say how on each device).
     """
 
     def __init__(self, bits: int = 2, stochastic: bool = True, error_feedback: bool = False, clip=None,

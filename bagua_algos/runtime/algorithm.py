@@ -9,6 +9,11 @@ modules. ``reify(process_group)`` makes an :class:`AlgorithmImpl` that owns the 
 3. ``init_post_backward_hook``: ``hook()`` once per backward, after all gradients;
 4. ``init_post_optimizer_step_hook``: ``hook(optimizer)`` after each ``optimizer.step()``.
 
+The hooks' types are named below (:data:`ForwardPreHook`, :data:`BackwardHook`,
+:data:`PostBackwardHook`, :data:`PostOptimizerStepHook`); subclasses annotate their
+factories with them. Whether an algorithm needs the optimizers is declared, not
+inferred: :attr:`AlgorithmImpl.needs_optimizer_step`.
+
 Set-up goes through ``init_tensors`` (Bagua tensors), ``tensors_to_buckets`` and
 ``init_operations`` (ops appended to each bucket), as in Bagua 0.9: an algorithm file
 written for Bagua runs on this runtime unchanged.
@@ -26,7 +31,17 @@ from .bucket import BaguaBucket
 if TYPE_CHECKING:
     from .ddp import BaguaDistributedDataParallel
 
-__all__ = ["Algorithm", "AlgorithmImpl", "GlobalAlgorithmRegistry"]
+__all__ = ["Algorithm", "AlgorithmImpl", "GlobalAlgorithmRegistry", "ForwardPreHook", "BackwardHook",
+           "PostBackwardHook", "PostOptimizerStepHook"]
+
+ForwardPreHook = Callable[[Any], None]
+"""``hook(inputs)``: before each training forward, with the forward's positional inputs."""
+BackwardHook = Callable[[str, torch.nn.Parameter], None]
+"""``hook(parameter_name, parameter)``: once the parameter's gradient is accumulated."""
+PostBackwardHook = Callable[[], None]
+"""``hook()``: once per backward, after every gradient hook of that backward."""
+PostOptimizerStepHook = Callable[[torch.optim.Optimizer], None]
+"""``hook(optimizer)``: after each ``step()`` of each optimizer given to ``with_bagua``."""
 
 
 class Algorithm:
@@ -55,6 +70,19 @@ class AlgorithmImpl:
     are marked ready, and wait for everything after backward. Subclasses override what
     they need.
     """
+
+    needs_optimizer_step: bool = False
+    """Whether the algorithm's work is done in its post-optimizer-step hook, which runs
+    only after ``step()`` of an optimizer given to ``with_bagua``: then ``with_bagua``
+    refuses an empty optimizer list (training would go on without the algorithm's
+    communication). A subclass declares it in its class body. One that does not, but
+    defines ``init_post_optimizer_step_hook`` itself, is taken to need the step (True):
+    that is an algorithm file written for Bagua, which has no such attribute."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "needs_optimizer_step" not in vars(cls) and "init_post_optimizer_step_hook" in vars(cls):
+            cls.needs_optimizer_step = True
 
     def __init__(self, process_group):
         self.process_group = process_group
@@ -92,13 +120,13 @@ class AlgorithmImpl:
         """Append to ``bucket`` (``bucket.append_*_op``) what runs once it is ready."""
 
     # --- hooks ----------------------------------------------------------------------
-    def init_forward_pre_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> Callable[[Any], None]:
+    def init_forward_pre_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> ForwardPreHook:
         def hook(input):
             pass
 
         return hook
 
-    def init_backward_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> Callable[[str, Any], None]:
+    def init_backward_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> BackwardHook:
         def hook(parameter_name, parameter):
             if parameter_name in self._communication_tensor_names:
                 grad = parameter.grad
@@ -112,13 +140,13 @@ class AlgorithmImpl:
 
         return hook
 
-    def init_post_backward_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> Callable[[], None]:
+    def init_post_backward_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> PostBackwardHook:
         def hook():
             bagua_ddp._bagua_backend.wait_pending_comm_ops()
 
         return hook
 
-    def init_post_optimizer_step_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> Callable[[Any], None]:
+    def init_post_optimizer_step_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> PostOptimizerStepHook:
         def hook(optimizer):
             pass
 

@@ -395,8 +395,7 @@ def with_bagua(
         )
 
     impl = algorithm.reify(process_group)
-    steps_with_optimizer = type(impl).init_post_optimizer_step_hook is not AlgorithmImpl.init_post_optimizer_step_hook
-    if steps_with_optimizer and not optimizers:
+    if impl.needs_optimizer_step and not optimizers:
         raise ValueError(
             f"{type(algorithm).__name__} communicates after optimizer.step(): pass the module's "
             "optimizers to with_bagua(optimizers, algorithm); with none it would train without any averaging"

@@ -8,7 +8,7 @@ through :mod:`.comm` only.
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -22,8 +22,9 @@ __all__ = [
     "DecentralizedSynchronousOp",
     "LowPrecisionDecentralizedSynchronousOp",
     "compressed_scatter_gather",
-    "reduce_encoded_chunks",
     "low_precision_difference",
+    "stacked_compressed_scatter_gather",
+    "reduce_chunks",
     "ring_peers",
     "AsyncModelAverageOp",
     "PEER_SELECTION_MODES",
@@ -75,7 +76,7 @@ def compressed_scatter_gather(
     comm.alltoall(sent, received, group=group)
     senders = minmax.marked(received, n)
     # a marked chunk decodes to NaN, so the reduced chunk is marked in turn
-    mine = reduce_encoded_chunks(received, n, bits, chunk, average)[0]
+    mine = reduce_chunks(minmax.decode_chunks(received, n, bits=bits, numel=chunk), average)
     # the sum may overflow: then the reduced chunk is marked too
     own = minmax.encode(mine, bits, stochastic=stochastic, generator=generator, non_finite="mark")
     gathered = own.new_empty(own.numel() * n)
@@ -87,21 +88,72 @@ def compressed_scatter_gather(
     return sent
 
 
-def reduce_encoded_chunks(encoded: torch.Tensor, senders: int, bits: int, chunk: int, average: bool) -> torch.Tensor:
-    """Stage 3 of :func:`compressed_scatter_gather` before its re-encoding: the sum (or,
-    with ``average``, the mean) over ``senders`` of the decoded chunks, r_k = Σ_i D(Q(c_k^i)).
-
-    ``encoded`` holds ``senders`` × m encodings of ``chunk`` values at ``bits`` bits,
-    sender-major (sender i's encodings of chunks 0 .. m−1, then sender i+1's); returns
-    the ``[m, chunk]`` reduced chunks, summed in sender order. A rank reduces the one
-    chunk it received from every member (m = 1); the one-process engine reduces every
-    chunk of every worker at once (m = n), on the bytes the workers would send."""
-    per_sender = encoded.numel() // (senders * minmax.encoded_size(chunk, bits))
-    decoded = minmax.decode_chunks(encoded, senders * per_sender, bits=bits, numel=chunk)
-    reduced = decoded.view(senders, per_sender, chunk).sum(dim=0)
+def reduce_chunks(decoded: torch.Tensor, average: bool) -> torch.Tensor:
+    """The reduction step of the compressed scatter-gather: ``decoded[..., i, :]`` is
+    the chunk sender i sent; returns Σ_i of them (÷ the number of senders with
+    ``average``), a new tensor. One worker reduces its ``[n, chunk]``, the one-process
+    engine every worker's ``[n, n, chunk]`` at once; torch's sum over the sender
+    dimension adds the senders in the same order for both on the CPU (checked in
+    tests/test_engine_equality.py)."""
+    total = decoded.sum(dim=-2)
     if average:
-        reduced.div_(senders)
-    return reduced
+        total.div_(decoded.shape[-2])
+    return total
+
+
+def stacked_compressed_scatter_gather(
+    x: torch.Tensor,
+    bits: int,
+    average: bool,
+    stochastic: bool = False,
+    generators: Optional[Sequence[torch.Generator]] = None,
+) -> torch.Tensor:
+    """:func:`compressed_scatter_gather` of all n workers of a group at once, in one
+    process: row i of ``x`` (``[n, m]``, float32) is worker i's ``flat``. In place, every
+    row becomes the result (the same on every worker, as after the all-gather); returns
+    the ``[n, m]`` decoded values of what each worker sent in the first stage,
+    D(Q(c_j^i)), for error feedback.
+
+    The same codec calls on the same rows as the n processes make: worker i's chunk j
+    is row i·n + j of one ``[n², chunk]`` encoding, chunk k's reduction
+    :func:`reduce_chunks` over the senders i, the reduced chunks one ``[n, chunk]``
+    encoding. With nearest rounding each stage is one batched codec call (the codec
+    encodes a row from the row alone). With ``stochastic``, worker i draws from
+    ``generators[i]`` exactly what its process draws, in its order (its n chunks, then
+    the chunk it reduced): one codec call per worker and stage, since each worker's
+    generator is its own stream. NaN/inf values raise ValueError naming the workers,
+    as :func:`compressed_scatter_gather` names the ranks (one host synchronisation).
+    """
+    n, numel = x.shape
+    if stochastic and (generators is None or len(generators) != n):
+        raise ValueError(f"stochastic rounding needs one generator per worker ({n}), got "
+                         f"{None if generators is None else len(generators)}")
+    chunk = -(-numel // n) if numel else 0
+    padded = x.detach()
+    if chunk * n != numel:
+        padded = torch.cat([padded, padded.new_zeros(n, chunk * n - numel)], dim=1)
+    rows = padded.reshape(n * n, chunk)  # worker i's chunk j: row i·n + j
+    if stochastic:
+        blocks = rows.view(n, n, chunk)
+        sent = torch.cat([minmax.encode_chunks(blocks[i], bits, stochastic=True, generator=generators[i],
+                                               non_finite="mark") for i in range(n)])
+    else:
+        sent = minmax.encode_chunks(rows, bits, non_finite="mark")
+    sent_values = minmax.decode_chunks(sent, n * n, bits=bits, numel=chunk).view(n, n, chunk)
+    # worker k reduces chunk k of every sender i: [k, i, chunk]
+    reduced = reduce_chunks(sent_values.transpose(0, 1).contiguous(), average)
+    if stochastic:
+        own = torch.cat([minmax.encode(reduced[k], bits, stochastic=True, generator=generators[k],
+                                       non_finite="mark") for k in range(n)])
+    else:
+        own = minmax.encode_chunks(reduced, bits, non_finite="mark")
+    result = minmax.decode_chunks(own, n, bits=bits, numel=chunk).reshape(-1)[:numel]
+    # (a batched encode marks every row for one bad row: the workers are named from the values)
+    _raise_if_marked([(~torch.isfinite(padded).all(dim=1), "the bucket's values"),
+                      (~torch.isfinite(reduced).all(dim=1), "the reduced chunk")], None, peers=list(range(n)))
+    with torch.no_grad():
+        x.copy_(result.expand(n, numel))
+    return sent_values.view(n, n * chunk)[:, :numel]
 
 
 # A worker whose values are not finite cannot encode them, and raising alone would leave

@@ -42,21 +42,25 @@ def form_for(algorithm):
 
 
 def _register_builtin() -> None:
-    from ...algorithms import (AllreduceAverageAlgorithm, AsyncModelAverageAlgorithm, DecentralizedAlgorithm,
-                               GradientAllReduceAlgorithm, LowPrecisionDecentralizedAlgorithm, PowerSGDAlgorithm,
-                               QAdamAlgorithm, RelayAlgorithm)
+    from ...algorithms import (AllreduceAverageAlgorithm, AsyncModelAverageAlgorithm, ByteGradAlgorithm,
+                               DecentralizedAlgorithm, GradientAllReduceAlgorithm, LowPrecisionDecentralizedAlgorithm,
+                               PowerSGDAlgorithm, QAdamAlgorithm, RelayAlgorithm, TernGradAlgorithm)
     from .allreduce_average import AllreduceAverageForm
+    from .bytegrad import ByteGradForm
     from .decentralized import DecentralizedForm
     from .gradient_allreduce import GradientAllReduceForm
     from .low_precision_decentralized import LowPrecisionDecentralizedForm
     from .powersgd import PowerSGDForm
     from .qadam import QAdamForm
     from .relay import RelayForm
+    from .terngrad import TernGradForm
 
     register_form(GradientAllReduceAlgorithm, GradientAllReduceForm)
     register_form(AllreduceAverageAlgorithm, AllreduceAverageForm)
     register_form(DecentralizedAlgorithm, DecentralizedForm)
     register_form(RelayAlgorithm, RelayForm)
+    register_form(TernGradAlgorithm, TernGradForm)
+    register_form(ByteGradAlgorithm, ByteGradForm)
     register_form(LowPrecisionDecentralizedAlgorithm, LowPrecisionDecentralizedForm)
     register_form(QAdamAlgorithm, QAdamForm)
     register_form(PowerSGDAlgorithm, PowerSGDForm)

@@ -38,34 +38,12 @@ import warnings
 import torch
 
 from ...algorithms.q_adam import QAdamOptimizer, in_compression, local_momentum_
-from ...compression import minmax
-from ...runtime.ops import MINMAX_UINT8_BITS, reduce_encoded_chunks
+from ...runtime.ops import MINMAX_UINT8_BITS, stacked_compressed_scatter_gather
 from .base import StackedForm
 
-__all__ = ["QAdamForm", "stacked_compressed_scatter_gather"]
+__all__ = ["QAdamForm"]
 
 _GROUP_SETTINGS = ("lr", "betas", "eps", "weight_decay")
-
-
-def stacked_compressed_scatter_gather(x: torch.Tensor, bits: int, average: bool):
-    """:func:`bagua_algos.runtime.ops.compressed_scatter_gather` of n workers at once.
-
-    ``x`` is ``[n, L]``, row i worker i's bucket (L a multiple of n, the chunks' length
-    c = L / n). Every worker encodes its n chunks; chunk k of every worker is reduced
-    (:func:`reduce_encoded_chunks` on the bytes the workers would send, the all-to-all
-    being a matter of which rows are read) and encoded again; all decode the n reduced
-    chunks. Returns (the ``[L]`` result, the same for every worker; a 0-dim bool: the
-    encodings are the codec's mark, i.e. some value was NaN/inf)."""
-    n, length = x.shape
-    if length % n:
-        raise ValueError(f"x has {length} columns, not a multiple of its {n} rows (pad the bucket to n chunks)")
-    chunk = length // n
-    values = x if x.dtype == torch.float32 else x.float()
-    sent = minmax.encode_chunks(values.reshape(n * n, chunk), bits, non_finite="mark")
-    reduced = reduce_encoded_chunks(sent, n, bits, chunk, average)
-    own = minmax.encode_chunks(reduced, bits, non_finite="mark")
-    result = minmax.decode_chunks(own, n, bits=bits, numel=chunk).reshape(-1)
-    return result, minmax.marked(sent, n * n).any() | minmax.marked(own, n).any()
 
 
 class QAdamForm(StackedForm):
@@ -155,7 +133,6 @@ class QAdamForm(StackedForm):
         group = self.optimizer.param_groups[0]
         momentum = self.optimizer.state[params]["exp_avg"]
         local_momentum_(momentum, grads, params.detach(), group["betas"][0], self.optimizer._decay(group))
-        marks, bad_rows = [], []
         for bucket, padding in zip(self.buckets, self.padding):
             flat = momentum[:, bucket.start:bucket.end]
             pad = slice(bucket.numel, bucket.size)
@@ -163,17 +140,19 @@ class QAdamForm(StackedForm):
             if self.hierarchical:  # one node: the node's exact average (sum, then / n)
                 flat.copy_(flat.sum(0, keepdim=True).div_(self.n).expand_as(flat))
             else:
-                bad_rows.append(~torch.isfinite(flat).all(1))  # before the average overwrites them
-                result, marked = stacked_compressed_scatter_gather(flat, MINMAX_UINT8_BITS, average=True)
-                flat.copy_(result.expand_as(flat))
-                marks.append(marked)
+                bad_rows = ~torch.isfinite(flat).all(1)  # before the average overwrites them
+                try:  # (one host read per bucket: the per-rank op reads its marks too)
+                    stacked_compressed_scatter_gather(flat, MINMAX_UINT8_BITS, average=True)
+                except ValueError:
+                    self._raise_non_finite(bad_rows)
             padding.copy_(flat[:, pad])
             flat[:, pad] = 0  # not optimizer state: the padding's parameters stay zero
-        # one host read per compressed step (the per-rank op reads its marks once too)
-        if marks and bool(torch.stack(marks).any()):
-            bad = torch.stack(bad_rows).any(0).nonzero().flatten().tolist()
-            what = f"the momentum of worker(s) {bad} has" if bad else "the averaged momentum (an overflow) has"
-            raise ValueError(
-                f"qadam: {what} NaN/inf values, which the min-max codec cannot encode (look for a diverging loss "
-                "or a learning rate that is too high)"
-            )
+
+    @staticmethod
+    def _raise_non_finite(bad_rows: torch.Tensor) -> None:
+        bad = bad_rows.nonzero().flatten().tolist()
+        what = f"the momentum of worker(s) {bad} has" if bad else "the averaged momentum (an overflow) has"
+        raise ValueError(
+            f"qadam: {what} NaN/inf values, which the min-max codec cannot encode (look for a diverging loss "
+            "or a learning rate that is too high)"
+        ) from None

@@ -15,7 +15,9 @@ Every collective takes Bagua's ``comm`` argument: a communicator (from a
 process group, or ``None`` for the global communicator of the default group.
 
 ``group=`` is a keyword-only extra kept for the project's own callers; it takes the
-same kinds of objects. The two differ only in what a rank argument means:
+same kinds of objects. The two differ only in what a rank argument means, and each
+reads as in the library its keyword comes from (``checks.COMMUNICATOR_RANKS`` and
+``checks.GLOBAL_RANKS`` in the code):
 
 * with ``comm=`` (Bagua's API), ``src``, ``dst`` are ranks **inside the
   communicator**, 0 ... ``comm.nranks() - 1``. Bagua hands them unchanged to its
@@ -24,8 +26,8 @@ same kinds of objects. The two differ only in what a rank argument means:
   get_rank()), nranks=len(ranks))``), so NCCL's root is a communicator rank. With
   ``comm=None`` the communicator is the whole job and the two numberings agree.
 * with ``group=``, ``src``, ``dst`` (and the peers of :func:`start_neighbor_exchange`)
-  are **global** ranks, as in ``torch.distributed`` and as this project's internal
-  callers have always passed them.
+  are **global** ranks, as with ``torch.distributed``'s ``group=`` and as this
+  project's internal callers have always passed them.
 
 A process that is not a member of the communicator returns at once and does
 nothing, as in Bagua (``None``, or a completed :class:`CommHandle` under
@@ -74,13 +76,17 @@ by a member of its communicator, the bytes of
   another rank (a pair with this process's own rank is a local copy: 0);
 * ``barrier``, ``all_gather_object``, ``broadcast_object``, receives: 0.
 
-Layout (one module per concern; everything public is re-exported here, so callers
-write ``from bagua_algos.runtime import comm`` and ``comm.allreduce(...)``):
+Layout (one module per concern; the names in ``__all__`` below are re-exported here,
+so callers write ``from bagua_algos.runtime import comm`` and ``comm.allreduce(...)``;
+the compatibility package imports a few others from their modules):
 
 * ``env``: rank, world size, local rank and size, node rank;
-* ``groups``: the backend rule (:func:`choose_backend`), :func:`init_process_group`,
-  communicators, :class:`BaguaProcessGroup` and its node subgroups;
-* ``reduce_op``: :class:`ReduceOp`; ``checks``: the argument checks of the calls;
+* ``lifecycle``: joining and leaving the job: the backend rule (:func:`choose_backend`),
+  :func:`init_process_group`, :func:`destroy_process_group`, the exit hook;
+* ``groups``: communicators, :class:`BaguaProcessGroup` and its node subgroups,
+  :func:`new_group`, the job's timeout given to every group;
+* ``reduce_op``: :class:`ReduceOp` and AVG where the backend has none;
+* ``checks``: the argument checks of the calls, and what a rank argument means;
 * ``handle``: :class:`CommHandle`; ``counter``: :func:`bytes_sent`;
 * ``staging``: host copies of CUDA tensors for gloo;
 * ``collectives``: the 18 collectives and ``send``/``recv``;
@@ -96,11 +102,12 @@ from .collectives import (allgather, allgather_inplace, allreduce, allreduce_inp
                           reduce_inplace, reduce_scatter, reduce_scatter_inplace, scatter, scatter_inplace, send)
 from .counter import bytes_sent, reset_bytes_sent
 from .env import get_local_rank, get_local_size, get_node_rank, get_rank, get_world_size, is_initialized
-from .groups import (BACKEND_ENV, BACKENDS, DEFAULT_TIMEOUT, BaguaCommunicator, BaguaProcessGroup,  # noqa: F401
-                     _get_default_group, _state, choose_backend, destroy_process_group, from_torch_group, get_backend,
-                     group_rank, group_ranks, init_process_group, inter_node_group, intra_node_group, new_group)
+from .groups import (DEFAULT_TIMEOUT, BaguaCommunicator, BaguaProcessGroup, _get_default_group, _state,  # noqa: F401
+                     from_torch_group, get_backend_name, group_rank, group_ranks, inter_node_group, intra_node_group,
+                     new_group)
 from .handle import CommHandle
 from .hierarchical import hierarchical_allreduce_inplace
+from .lifecycle import BACKEND_ENV, BACKENDS, choose_backend, destroy_process_group, init_process_group
 from .neighbors import all_gather_object, broadcast_object, neighbor_exchange, start_neighbor_exchange
 from .reduce_op import ReduceOp
 from .staging import _Staging  # noqa: F401 - tests force it on CPU tensors
@@ -148,7 +155,7 @@ __all__ = [
     "choose_backend",
     "CommHandle",
     "all_gather_object",
-    "get_backend",
+    "get_backend_name",
     "group_rank",
     "group_ranks",
     "intra_node_group",

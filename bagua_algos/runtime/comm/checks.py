@@ -5,27 +5,32 @@ reduction operators, counts and displacements (one rule for each kind; integers 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ...arguments import check_int, is_int
 from .env import _require_init
 from .groups import BaguaCommunicator, _as_communicator
-from .reduce_op import _BITWISE_OPS, _TORCH_OPS, ReduceOp
+from .reduce_op import _BITWISE_OPS, ReduceOp
 
 
-def _target(comm, group, what: str) -> tuple[BaguaCommunicator, bool]:
-    """(communicator, whether rank arguments are ranks inside it)."""
+# What a rank argument (src, dst, a peer) means, chosen by the keyword that names the
+# communicator; each keyword reads as in the library it comes from:
+COMMUNICATOR_RANKS = "communicator ranks"  # comm= (Bagua's API): 0 … nranks() − 1 inside it
+GLOBAL_RANKS = "global ranks"  # group= (torch.distributed's keyword): the job's ranks, members of the group
+
+
+def _target(comm, group, what: str) -> tuple[BaguaCommunicator, str]:
+    """(the communicator, what its rank arguments are: COMMUNICATOR_RANKS or GLOBAL_RANKS)."""
     _require_init(f"{what}()")
     if comm is not None and group is not None:
         raise ValueError(f"{what}(): pass comm= or group=, not both")
     if group is not None:
-        return _as_communicator(group), False
-    return _as_communicator(comm), True
+        return _as_communicator(group), GLOBAL_RANKS
+    return _as_communicator(comm), COMMUNICATOR_RANKS
 
 
-def _peer(c: BaguaCommunicator, local: bool, rank, what: str) -> int:
-    """The global rank meant by rank argument ``what``."""
-    if local:
+def _global_rank(c: BaguaCommunicator, ranks: str, rank, what: str) -> int:
+    """The global rank meant by rank argument ``what`` (one of ``ranks``)."""
+    if ranks == COMMUNICATOR_RANKS:
         return c.global_rank(rank, what)
     if not is_int(rank) or rank not in c.ranks:
         raise ValueError(
@@ -62,21 +67,6 @@ def _reduce_op(op, tensor: torch.Tensor) -> ReduceOp:
     if op in _BITWISE_OPS and (tensor.is_floating_point() or tensor.is_complex()):
         raise ValueError(f"op=ReduceOp.{op.name} needs an integer or bool tensor, got dtype {tensor.dtype}")
     return op
-
-
-def _op_and_finish(op: ReduceOp, c: BaguaCommunicator, out: torch.Tensor):
-    """The torch op to run and the finishers that complete ``op`` on ``out``."""
-    if op != ReduceOp.AVG:
-        return _TORCH_OPS[op], []
-    if c.uses_nccl(out) and (out.is_floating_point() or out.is_complex()):
-        return dist.ReduceOp.AVG, []  # NCCL's own; its integer AVG truncates, Bagua's floors
-    return dist.ReduceOp.SUM, [_divider(out, c.nranks())]
-
-
-def _divider(t: torch.Tensor, size: int):
-    if t.is_floating_point() or t.is_complex():
-        return lambda: t.div_(size)
-    return lambda: t.div_(size, rounding_mode="floor")
 
 
 def _counts(name: str, value, n: int, total: int | None = None) -> list[int]:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .checks import (_check_same_dtype, _check_tensor, _counts, _op_and_finish, _peer, _reduce_op, _regions,
-                     _target)
+from .checks import _check_same_dtype, _check_tensor, _counts, _global_rank, _reduce_op, _regions, _target
 from ...arguments import check_int
 from .counter import _count, _nbytes
 from .env import get_rank
 from .groups import BaguaCommunicator
 from .handle import CommHandle, _finish, _skip
-from .reduce_op import ReduceOp
+from .reduce_op import ReduceOp, _op_and_finish
 from .staging import _Staging
 
 
@@ -57,11 +56,11 @@ def allreduce(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: ReduceOp
 
 def broadcast(tensor: torch.Tensor, src: int = 0, comm=None, *, group=None, async_op: bool = False):
     """Every member's ``tensor`` ← ``tensor`` of rank ``src`` (see the module's note on ranks)."""
-    c, local = _target(comm, group, "broadcast")
+    c, ranks = _target(comm, group, "broadcast")
     if not c.is_member():
         return _skip(async_op)
     _check_tensor("tensor", tensor)
-    src = _peer(c, local, src, "src")
+    src = _global_rank(c, ranks, src, "src")
     if get_rank() == src:
         _count(_nbytes(tensor))
     st = _Staging(c)
@@ -73,7 +72,7 @@ def reduce(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, op: R
            *, group=None, async_op: bool = False):
     """``recv_tensor`` of rank ``dst`` ← reduction of every member's ``send_tensor``.
     ``send_tensor`` is kept everywhere; other members' ``recv_tensor`` is untouched."""
-    c, local = _target(comm, group, "reduce")
+    c, ranks = _target(comm, group, "reduce")
     if not c.is_member():
         return _skip(async_op)
     _check_tensor("send_tensor", send_tensor, contiguous=False)
@@ -84,7 +83,7 @@ def reduce(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, op: R
         )
     _check_same_dtype("send_tensor", send_tensor, "recv_tensor", recv_tensor)
     op = _reduce_op(op, send_tensor)
-    dst = _peer(c, local, dst, "dst")
+    dst = _global_rank(c, ranks, dst, "dst")
     if get_rank() == dst:
         buffer = recv_tensor
         if recv_tensor.data_ptr() != send_tensor.data_ptr():
@@ -98,12 +97,12 @@ def reduce_inplace(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, 
                    async_op: bool = False):
     """``tensor`` of rank ``dst`` ← reduction of every member's ``tensor``; the other
     members' ``tensor`` is left unchanged."""
-    c, local = _target(comm, group, "reduce_inplace")
+    c, ranks = _target(comm, group, "reduce_inplace")
     if not c.is_member():
         return _skip(async_op)
     _check_tensor("tensor", tensor)
     op = _reduce_op(op, tensor)
-    dst = _peer(c, local, dst, "dst")
+    dst = _global_rank(c, ranks, dst, "dst")
     # gloo writes partial sums into the buffers of other members: they reduce a copy.
     buffer = tensor if get_rank() == dst or c.uses_nccl(tensor) else tensor.clone()
     return _reduce_into(buffer, dst, op, c, async_op)
@@ -165,11 +164,11 @@ def gather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, comm=
     """``recv_tensor`` of rank ``dst`` (nranks × ``send_tensor.numel()`` elements) ←
     every member's ``send_tensor``, in communicator-rank order; ``recv_tensor`` of the
     other members is not used."""
-    c, local = _target(comm, group, "gather")
+    c, ranks = _target(comm, group, "gather")
     if not c.is_member():
         return _skip(async_op)
     _check_tensor("send_tensor", send_tensor, contiguous=False)
-    dst = _peer(c, local, dst, "dst")
+    dst = _global_rank(c, ranks, dst, "dst")
     n = c.nranks()
     at_dst = get_rank() == dst
     if at_dst:
@@ -188,13 +187,13 @@ def gather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, comm=
     return _finish(st.handle([work]), async_op)
 
 
-def _rooted_inplace(c: BaguaCommunicator, local: bool, tensor: torch.Tensor, count, root, root_name: str):
+def _rooted_inplace(c: BaguaCommunicator, ranks: str, tensor: torch.Tensor, count, root, root_name: str):
     """Checks of an in-place gather/scatter: ``tensor`` holds nranks × ``count``
     elements on the root and ``count`` elsewhere. Returns (global root, nranks,
     whether this is the root, ``tensor`` as 1-D)."""
     _check_tensor("tensor", tensor)
     count = check_int("count", count, 0, what="a non-negative integer")
-    root = _peer(c, local, root, root_name)
+    root = _global_rank(c, ranks, root, root_name)
     n = c.nranks()
     at_root = get_rank() == root
     need = n * count if at_root else count
@@ -207,10 +206,10 @@ def _rooted_inplace(c: BaguaCommunicator, local: bool, tensor: torch.Tensor, cou
 def gather_inplace(tensor: torch.Tensor, count: int, dst: int, comm=None, *, group=None, async_op: bool = False):
     """In-place :func:`gather`: on rank ``dst`` ``tensor`` has nranks × ``count``
     elements, its own input being chunk ``dst``; elsewhere it has ``count`` elements."""
-    c, local = _target(comm, group, "gather_inplace")
+    c, ranks = _target(comm, group, "gather_inplace")
     if not c.is_member():
         return _skip(async_op)
-    dst, n, at_dst, flat = _rooted_inplace(c, local, tensor, count, dst, "dst")
+    dst, n, at_dst, flat = _rooted_inplace(c, ranks, tensor, count, dst, "dst")
     st = _Staging(c)
     if at_dst:
         me = c.rank()
@@ -228,11 +227,11 @@ def scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, src: int, comm
     """Each member's ``recv_tensor`` ← its chunk (by communicator rank) of rank
     ``src``'s ``send_tensor`` (nranks × ``recv_tensor.numel()`` elements; not used on
     the other members)."""
-    c, local = _target(comm, group, "scatter")
+    c, ranks = _target(comm, group, "scatter")
     if not c.is_member():
         return _skip(async_op)
     _check_tensor("recv_tensor", recv_tensor)
-    src = _peer(c, local, src, "src")
+    src = _global_rank(c, ranks, src, "src")
     n = c.nranks()
     at_src = get_rank() == src
     if at_src:
@@ -256,10 +255,10 @@ def scatter_inplace(tensor: torch.Tensor, count: int, src: int, comm=None, *, gr
     """In-place :func:`scatter`: on rank ``src`` ``tensor`` has nranks × ``count``
     elements (its own share, chunk ``src``, stays in place); elsewhere it has ``count``
     elements and receives this member's chunk."""
-    c, local = _target(comm, group, "scatter_inplace")
+    c, ranks = _target(comm, group, "scatter_inplace")
     if not c.is_member():
         return _skip(async_op)
-    src, n, at_src, flat = _rooted_inplace(c, local, tensor, count, src, "src")
+    src, n, at_src, flat = _rooted_inplace(c, ranks, tensor, count, src, "src")
     st = _Staging(c)
     if at_src:  # its own chunk comes back into a scratch buffer: the share stays in place
         out, chunks = st(torch.empty_like(flat[:count]), read=False), list(st(flat.view(n, count)).unbind(0))
@@ -438,11 +437,11 @@ def barrier(comm=None, *, group=None, async_op: bool = False):
 
 def send(tensor: torch.Tensor, dst: int, comm=None, *, group=None, async_op: bool = False):
     """Send ``tensor`` to rank ``dst`` (blocking unless ``async_op``)."""
-    c, local = _target(comm, group, "send")
+    c, ranks = _target(comm, group, "send")
     if not c.is_member():
         return _skip(async_op)
     _check_tensor("tensor", tensor)
-    dst = _peer(c, local, dst, "dst")
+    dst = _global_rank(c, ranks, dst, "dst")
     if dst == get_rank():
         raise ValueError(f"dst={dst} is this process's own rank; send to another rank")
     _count(_nbytes(tensor))
@@ -453,11 +452,11 @@ def send(tensor: torch.Tensor, dst: int, comm=None, *, group=None, async_op: boo
 
 def recv(tensor: torch.Tensor, src: int, comm=None, *, group=None, async_op: bool = False):
     """Receive ``tensor`` from rank ``src`` (blocking unless ``async_op``)."""
-    c, local = _target(comm, group, "recv")
+    c, ranks = _target(comm, group, "recv")
     if not c.is_member():
         return _skip(async_op)
     _check_tensor("tensor", tensor)
-    src = _peer(c, local, src, "src")
+    src = _global_rank(c, ranks, src, "src")
     if src == get_rank():
         raise ValueError(f"src={src} is this process's own rank; receive from another rank")
     st = _Staging(c)

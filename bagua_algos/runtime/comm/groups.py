@@ -1,223 +1,89 @@
-"""Process groups: the backend rule, ``init_process_group``, Bagua's communicators
-and ``BaguaProcessGroup`` with its node subgroups (created collectively, each with the
-job's timeout)."""
+"""Process groups: Bagua's communicators, ``BaguaProcessGroup`` with its node
+subgroups (created collectively, each with the job's timeout), ``new_group`` and the
+lookups between communicators, groups and ranks."""
 
 from __future__ import annotations
 
-import atexit
-import os
-import sys
-import types
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from ...arguments import is_int
-from ..gpus import gpu_shortage
-from .env import _env_int, _require_init, get_local_size, get_rank, get_world_size, is_initialized
-from .helper_thread import _stop_helper
+from ...arguments import check_timeout, is_int
+from .env import _require_init, get_local_size, get_rank, get_world_size, is_initialized
 
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 _state = {
     "timeout": None,  # timedelta of init_process_group, given to every group created here
-    "owner": False,  # this module called dist.init_process_group
     "default": None,  # BaguaProcessGroup of the whole job
     "group_count": 0,
-    "atexit": False,
 }
 _torch_group_comms: dict = {}  # torch ProcessGroup -> BaguaCommunicator
 _NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
 
 
-BACKEND_ENV = "BAGUA_ALGOS_BACKEND"
-BACKENDS = ("auto", "gloo", "nccl")
-# NCCL carries CUDA tensors, gloo CPU tensors: one group serves both (torch's per-device
-# backends), so a script's CPU flags and counters work in a GPU job, as under Bagua.
-_MIXED = "cpu:gloo,cuda:nccl"
-
-
-def choose_backend(backend: str | None = None, local_world_size: int | None = None) -> str:
-    """The torch backend string for ``backend`` (``None``: $BAGUA_ALGOS_BACKEND, else
-    ``"auto"``) on a node running ``local_world_size`` workers (default: LOCAL_WORLD_SIZE).
-
-    - ``"gloo"``: gloo for every tensor; CUDA tensors are staged through host memory.
-    - ``"nccl"``: NCCL for CUDA tensors and gloo for CPU tensors, each worker on GPU
-      ``LOCAL_RANK``; needs a GPU per worker of the node.
-    - ``"auto"``: ``"nccl"`` when CUDA is available, else ``"gloo"``.
-
-    A node with more workers than GPUs is refused here, before any CUDA call, naming
-    both counts and the ways out (one process per GPU could never share one NCCL
-    device, and ``cuda:LOCAL_RANK`` would not exist)."""
-    where = "backend"
-    if backend is None:
-        backend = os.environ.get(BACKEND_ENV) or "auto"
-        where = f"${BACKEND_ENV}" if os.environ.get(BACKEND_ENV) else "backend"
-    if backend == _MIXED:
-        backend = "nccl"
-    if backend not in BACKENDS:
-        raise ValueError(f"{where} must be one of {', '.join(map(repr, BACKENDS))} (or {_MIXED!r}), got {backend!r}")
-    if backend == "gloo" or (backend == "auto" and not torch.cuda.is_available()):
-        return "gloo"
-    workers = local_world_size if local_world_size and local_world_size > 0 else _env_int("LOCAL_WORLD_SIZE", 1)
-    shortage = gpu_shortage(f"{where}={backend!r}", workers, "--nproc_per_node",
-                            f"init_process_group(backend='gloo'), {BACKEND_ENV}=gloo, or the launcher's --backend gloo")
-    if shortage:
-        raise RuntimeError(shortage)
-    return _MIXED
-
-
-def init_process_group(
-    store: dist.Store | None = None,
-    rank: int = -1,
-    world_size: int = -1,
-    local_world_size: int = -1,
-    *,
-    backend: str | None = None,
-    timeout: timedelta | float | None = None,
-) -> None:
-    """Join the job's process group, like Bagua 0.9's
-    ``init_process_group(store=None, rank=-1, world_size=-1, local_world_size=-1)``.
-
-    Without ``store`` it rendezvous through ``env://``: RANK, WORLD_SIZE, MASTER_ADDR
-    and MASTER_PORT. With ``store``, ``rank`` and ``world_size`` come from the
-    arguments (or RANK / WORLD_SIZE). ``local_world_size`` (or LOCAL_WORLD_SIZE)
-    sets how many consecutive ranks share a node; when neither is given all
-    processes are taken to be on one node. ``backend`` (``"auto"``, ``"gloo"`` or
-    ``"nccl"``; default $BAGUA_ALGOS_BACKEND, else ``"auto"``) is chosen by
-    :func:`choose_backend`: with NCCL, CUDA tensors travel over NCCL, CPU tensors over
-    gloo, and the current CUDA device becomes ``cuda:LOCAL_RANK``; with gloo, CUDA
-    tensors are staged through host memory. ``timeout`` (a timedelta or seconds,
-    default 10 minutes) bounds every wait on a peer, in this group and in every group
-    created from it, so a dead or silent peer becomes an error instead of a hang.
-    """
-    if isinstance(store, str):  # the old positional order began with the backend
-        backend, store = store, None
-    if is_initialized():
-        raise RuntimeError("init_process_group() was called twice in this process")
-    if timeout is None:
-        timeout = DEFAULT_TIMEOUT
-    elif not isinstance(timeout, timedelta):
-        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
-        timeout = timedelta(seconds=float(timeout))
-    elif timeout <= timedelta(0):
-        raise ValueError(f"timeout must be positive, got {timeout!r}")
-    rank = -1 if rank is None else int(rank)
-    world_size = -1 if world_size is None else int(world_size)
-    local_world_size = -1 if local_world_size is None else int(local_world_size)
-    if store is None:
-        rank = _env_int("RANK") if rank < 0 else rank
-        world_size = _env_int("WORLD_SIZE") if world_size < 0 else world_size
-        _env_int("MASTER_PORT")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    else:
-        if rank < 0 and "RANK" in os.environ:
-            rank = _env_int("RANK")
-        if world_size < 0 and "WORLD_SIZE" in os.environ:
-            world_size = _env_int("WORLD_SIZE")
-        if rank < 0 or world_size < 0:
-            raise ValueError("init_process_group(store=...) also needs rank= and world_size= (or RANK and WORLD_SIZE)")
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}) for world_size={world_size}, got {rank}")
-    if local_world_size >= 0 and not 1 <= local_world_size <= world_size:
-        raise ValueError(f"local_world_size must be in [1, {world_size}], got {local_world_size}")
-    if local_world_size < 0:
-        local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
-        if not 1 <= local_world_size <= world_size:
-            raise ValueError(f"LOCAL_WORLD_SIZE must be in [1, {world_size}], got {local_world_size}")
-        local_rank = _env_int("LOCAL_RANK", rank % local_world_size)
-    else:
-        local_rank = rank % local_world_size
-    torch_backend = choose_backend(backend, local_world_size)
-    if torch_backend != "gloo":
-        torch.cuda.set_device(local_rank)
-    kwargs = {"backend": torch_backend, "timeout": timeout, "rank": rank, "world_size": world_size}
-    if store is not None:
-        kwargs["store"] = store
-    else:
-        kwargs["init_method"] = "env://"
-    dist.init_process_group(**kwargs)
-    _state.update(timeout=timeout, owner=True, default=None, group_count=0)
-    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
-    os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
-    os.environ["LOCAL_RANK"] = str(local_rank)
-    if not _state["atexit"]:
-        atexit.register(_destroy_at_exit)
-        _state["atexit"] = True
-
-
-def destroy_process_group() -> None:
-    """Leave the job: stop the helper thread, destroy every group (collective-free)."""
-    _stop_helper((_state["timeout"] or DEFAULT_TIMEOUT).total_seconds() + 5)
+def _joined(timeout: Optional[timedelta]) -> None:
+    """Forget every group of a previous job; the new one's groups get ``timeout``
+    (None: torch's default; a job this package did not start)."""
     _torch_group_comms.clear()
-    _state.update(timeout=None, owner=False, default=None, group_count=0)
-    if is_initialized():
-        dist.destroy_process_group()
-        _drop_groups_held_as_defaults()
+    _state.update(timeout=timeout, default=None, group_count=0)
 
 
-def _drop_groups_held_as_defaults() -> None:
-    """Point every torch.distributed function whose default argument is a process
-    group back at ``None`` (the default group), so that destroyed groups are freed.
-
-    Why: torch.distributed.nn.functional declares ``group=group.WORLD``, evaluated once,
-    when the module is first imported; building the first optimizer imports it (torch.optim
-    → torch._dynamo → FSDP). A script that builds its optimizer after init_process_group
-    thus leaves the job's group in ten default tuples, and dist.destroy_process_group()
-    cannot free it: its gloo threads (or NCCL watchdog) run on into interpreter
-    finalization. A gloo thread that drops a finished op there needs the GIL for the op's
-    tensors, CPython ends it with pthread_exit, and the process aborts ("terminate called
-    without an active exception", SIGABRT, after a successful run: a core's backtrace is
-    in docs/exit_abort.md). ``None`` is what ``group.WORLD`` was before init and what
-    torch reads as the default group.
-    """
-    for name, module in list(sys.modules.items()):
-        namespace = getattr(module, "__dict__", None) if name.startswith("torch.distributed") else None
-        if not isinstance(namespace, dict):  # another package, or a placeholder in sys.modules
-            continue
-        for fn in list(namespace.values()):
-            if type(fn) is not types.FunctionType:  # type(): no attribute access on the module's objects
-                continue
-            if fn.__defaults__ and any(isinstance(d, dist.ProcessGroup) for d in fn.__defaults__):
-                fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in fn.__defaults__)
-            if fn.__kwdefaults__ and any(isinstance(d, dist.ProcessGroup) for d in fn.__kwdefaults__.values()):
-                fn.__kwdefaults__ = {k: None if isinstance(d, dist.ProcessGroup) else d
-                                     for k, d in fn.__kwdefaults__.items()}
+def job_timeout() -> timedelta:
+    """How long a wait on a peer may take in this job: init_process_group's timeout
+    (DEFAULT_TIMEOUT when the job was started otherwise)."""
+    return _state["timeout"] or DEFAULT_TIMEOUT
 
 
-def _destroy_at_exit() -> None:
-    # A process group still alive at interpreter exit is torn down while its backend
-    # threads run, which can abort the process; destroy it first (only if ours). A
-    # script that called torch's dist.destroy_process_group() itself may still have
-    # left the group in torch's default arguments: free it now, not at finalization.
-    if not _state["owner"]:
-        return
-    try:
-        if is_initialized():
-            destroy_process_group()
-        else:
-            _drop_groups_held_as_defaults()
-    except Exception:  # noqa: BLE001 - nothing useful to do at exit
-        pass
+def _as_timedelta(timeout) -> timedelta:
+    """A ``timeout=`` argument (a timedelta or seconds, checked) as a timedelta."""
+    seconds = check_timeout(timeout)
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
 
 
-def get_backend(group=None) -> str:
+def _timeout_kwargs(timeout=None) -> dict:
+    """torch's ``timeout=`` for a new group: ``timeout`` if given, else the job's; none
+    at all in a job this package did not start (torch's default then)."""
+    timeout = _state["timeout"] if timeout is None else _as_timedelta(timeout)
+    return {} if timeout is None else {"timeout": timeout}
+
+
+def get_backend_name(group=None) -> str:
     """``"gloo"`` or ``"nccl"``: the backend of ``group`` (default: the job's). With
-    ``"nccl"``, CUDA tensors travel over NCCL and CPU tensors over gloo."""
-    _require_init("get_backend()")
+    ``"nccl"``, CUDA tensors travel over NCCL and CPU tensors over gloo. (Not Bagua's
+    ``get_backend(model_name)``, the communication backend object of a module:
+    :func:`bagua_algos.runtime.backend.get_backend`.)"""
+    _require_init("get_backend_name()")
     return _as_communicator(group).backend()
 
 
-def _new_torch_group(ranks: Sequence[int]):
-    """A torch group over ``ranks`` with the job's timeout. Collective over the job."""
-    kwargs = {} if _state["timeout"] is None else {"timeout": _state["timeout"]}
-    return dist.new_group(ranks=sorted(ranks), **kwargs)
+def is_torch_world(group) -> bool:
+    """Whether ``group`` is torch's ``dist.group.WORLD`` (the default group)."""
+    return group is dist.group.WORLD
+
+
+def _new_torch_group(ranks: Sequence[int], timeout=None):
+    """A torch group over ``ranks`` (sorted) with ``timeout`` (default: the job's).
+    Collective over the job."""
+    return dist.new_group(ranks=sorted(ranks), **_timeout_kwargs(timeout))
+
+
+@dataclass
+class NodeGroups:
+    """A group's node communicators (created collectively on first use)."""
+
+    intra: "BaguaCommunicator"  # the group's members on this process's node
+    inter: "BaguaCommunicator"  # the members with the local rank of the group's first rank
+    by_local_rank: dict = field(default_factory=dict)  # local rank → its members, one per node
+    # The default group only: the inter-node communicator of the two-level allreduce's
+    # helper thread (groups of its own, so that its collectives never interleave with the
+    # caller's on the public ones); comm.hierarchical creates it on first use.
+    hierarchical_inter: Optional["BaguaCommunicator"] = None
 
 
 class BaguaCommunicator:
@@ -291,7 +157,7 @@ class BaguaProcessGroup:
         self.intra_ranks = [r for r in self.ranks if r // local == me // local]
         self.inter_ranks = [r for r in self.ranks if r % local == self.ranks[0] % local] if self.ranks else []
         self._global = BaguaCommunicator(torch_group, self.ranks, f"{group_name}/global")
-        self._node = None  # built by _node_groups()
+        self._node: Optional[NodeGroups] = None  # built by _node_groups()
 
     @property
     def torch_group(self):
@@ -308,12 +174,12 @@ class BaguaProcessGroup:
         return self._global
 
     def get_intra_node_communicator(self) -> BaguaCommunicator:
-        return self._node_groups()["intra"]
+        return self._node_groups().intra
 
     def get_inter_node_communicator(self) -> BaguaCommunicator:
-        return self._node_groups()["inter"]
+        return self._node_groups().inter
 
-    def _node_groups(self) -> dict:
+    def _node_groups(self) -> NodeGroups:
         """Create every node subgroup of this group: each node's members, then the
         members of each local rank, in that order, on every process of the job."""
         if self._node is not None:
@@ -327,23 +193,22 @@ class BaguaProcessGroup:
             # Same choice on every process: the members are the same everywhere.
             return self._global.torch_group if members == self.ranks else _new_torch_group(members)
 
-        node = {"intra": BaguaCommunicator(_NON_MEMBER, self.intra_ranks, f"{self.group_name}/intra"),
-                "by_local_rank": {}}
+        intra = BaguaCommunicator(_NON_MEMBER, self.intra_ranks, f"{self.group_name}/intra")
         for n in range(world // local):
             members = [r for r in self.ranks if r // local == n]
             if members:
                 g = group_of(members)
                 if me in members:
-                    node["intra"] = BaguaCommunicator(g, members, f"{self.group_name}/intra{n}")
+                    intra = BaguaCommunicator(g, members, f"{self.group_name}/intra{n}")
+        by_local_rank = {}
         for lr in range(local):
             members = [r for r in self.ranks if r % local == lr]
             if members:
-                node["by_local_rank"][lr] = BaguaCommunicator(group_of(members), members, f"{self.group_name}/inter{lr}")
+                by_local_rank[lr] = BaguaCommunicator(group_of(members), members, f"{self.group_name}/inter{lr}")
         leader_local = self.ranks[0] % local if self.ranks else 0
-        node["inter"] = node["by_local_rank"].get(
-            leader_local, BaguaCommunicator(_NON_MEMBER, [], f"{self.group_name}/inter"))
-        self._node = node
-        return node
+        inter = by_local_rank.get(leader_local, BaguaCommunicator(_NON_MEMBER, [], f"{self.group_name}/inter"))
+        self._node = NodeGroups(intra=intra, inter=inter, by_local_rank=by_local_rank)
+        return self._node
 
     def __repr__(self) -> str:
         return f"BaguaProcessGroup({self.group_name}, ranks={self.ranks})"
@@ -358,12 +223,14 @@ def _get_default_group() -> BaguaProcessGroup:
     return _state["default"]
 
 
-def new_group(ranks: Sequence[int] | None = None, stream=None, *, timeout: timedelta | None = None) -> BaguaProcessGroup:
+def new_group(ranks: Sequence[int] | None = None, stream=None, *,
+              timeout: timedelta | float | None = None) -> BaguaProcessGroup:
     """A :class:`BaguaProcessGroup` over ``ranks`` (global ranks; all by default).
 
     Every process of the job must call it, in the same order, also those that are not
     members. ``stream`` is accepted for Bagua's signature and ignored. The group's
-    torch group carries the timeout of :func:`init_process_group` (or ``timeout``).
+    torch group carries the timeout of :func:`init_process_group` (or ``timeout``: a
+    timedelta or seconds).
     """
     _require_init("new_group()")
     world = get_world_size()
@@ -380,10 +247,7 @@ def new_group(ranks: Sequence[int] | None = None, stream=None, *, timeout: timed
         if not ranks:
             raise ValueError("new_group(ranks=...): ranks is empty")
         ranks = sorted(ranks)
-    kwargs = {}
-    if timeout is not None or _state["timeout"] is not None:
-        kwargs["timeout"] = timeout if timeout is not None else _state["timeout"]
-    torch_group = dist.new_group(ranks=ranks, **kwargs)
+    torch_group = _new_torch_group(ranks, timeout)
     _state["group_count"] += 1
     return BaguaProcessGroup(ranks, torch_group, str(_state["group_count"]), stream)
 
@@ -435,10 +299,10 @@ def group_ranks(group) -> list[int]:
 def intra_node_group() -> BaguaCommunicator:
     """The processes on this node (consecutive global ranks, LOCAL_WORLD_SIZE of them)."""
     _require_init("intra_node_group()")
-    return _get_default_group()._node_groups()["intra"]
+    return _get_default_group()._node_groups().intra
 
 
 def inter_node_group() -> BaguaCommunicator:
     """The processes with this process's local rank, one on each node."""
     _require_init("inter_node_group()")
-    return _get_default_group()._node_groups()["by_local_rank"][get_rank() % get_local_size()]
+    return _get_default_group()._node_groups().by_local_rank[get_rank() % get_local_size()]

@@ -5,32 +5,32 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .checks import _check_tensor, _divider, _reduce_op
+from .checks import _check_tensor, _reduce_op
 from .counter import _count, _nbytes
 from .env import _require_init, get_local_size, get_rank, get_world_size
-from .groups import BaguaCommunicator, _get_default_group, _new_torch_group
+from .groups import BaguaCommunicator, NodeGroups, _get_default_group, _new_torch_group
 from .handle import _finish
 from .helper_thread import _submit
-from .reduce_op import ReduceOp
+from .reduce_op import ReduceOp, _divider
 from .staging import _Staging
 
 
-def _hierarchical_groups() -> dict:
-    """The default group's node communicators and, for the helper thread alone, a
-    private copy of the inter-node groups (created collectively on first use)."""
-    default = _get_default_group()
-    node = default._node_groups()
-    if "private_inter" not in node:
+def _hierarchical_groups() -> NodeGroups:
+    """The default group's node communicators, with ``hierarchical_inter`` set: for the
+    helper thread alone, a private copy of the inter-node groups (created collectively
+    on first use)."""
+    node = _get_default_group()._node_groups()
+    if node.hierarchical_inter is None:
         local, me = get_local_size(), get_rank()
         if local == 1 or local == get_world_size():
             # One level is trivial; the other is posted from the caller's thread only.
-            node["private_inter"] = node["by_local_rank"][me % local]
+            node.hierarchical_inter = node.by_local_rank[me % local]
         else:
             for lr in range(local):
                 g = _new_torch_group(range(lr, get_world_size(), local))
                 if lr == me % local:
-                    node["private_inter"] = BaguaCommunicator(g, range(lr, get_world_size(), local),
-                                                              f"default/hierarchical-inter{lr}")
+                    node.hierarchical_inter = BaguaCommunicator(g, range(lr, get_world_size(), local),
+                                                                f"default/hierarchical-inter{lr}")
     return node
 
 
@@ -50,7 +50,7 @@ def hierarchical_allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp
     if op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise ValueError(f"hierarchical allreduce supports ReduceOp.SUM and ReduceOp.AVG, got ReduceOp.{op.name}")
     node = _hierarchical_groups()
-    intra, inter = node["intra"], node["private_inter"]
+    intra, inter = node.intra, node.hierarchical_inter
     finishers = [_divider(tensor, get_world_size())] if op == ReduceOp.AVG else []
     _count(_nbytes(tensor) * ((intra.nranks() > 1) + (inter.nranks() > 1)))
     st = _Staging(intra)

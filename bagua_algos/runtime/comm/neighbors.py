@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .checks import _check_tensor, _peer, _target
+from .checks import GLOBAL_RANKS, _check_tensor, _global_rank, _target
 from .counter import _count, _nbytes
 from .env import _require_init, get_rank
 from .groups import _as_communicator
@@ -44,7 +44,7 @@ def start_neighbor_exchange(
     for kind, items in (("sends", send_items), ("recvs", recv_items)):
         for i, (peer, t) in enumerate(items):
             _check_tensor(f"{kind}[{i}] tensor", t)
-            _peer(c, False, peer, f"{kind}[{i}] peer")
+            _global_rank(c, GLOBAL_RANKS, peer, f"{kind}[{i}] peer")
     me = get_rank()
     own_sends = [t for peer, t in send_items if peer == me]
     own_recvs = [t for peer, t in recv_items if peer == me]
@@ -90,10 +90,10 @@ def broadcast_object(obj, src: int = 0, comm=None, *, group=None):
     returned on every member; ``obj`` is ignored elsewhere. A process outside the
     communicator gets its own ``obj`` back. It travels as CPU bytes (over gloo, also in
     an NCCL job), so it never touches a GPU."""
-    c, local = _target(comm, group, "broadcast_object")
+    c, ranks = _target(comm, group, "broadcast_object")
     if not c.is_member():
         return obj
-    src = _peer(c, local, src, "src")
+    src = _global_rank(c, ranks, src, "src")
     box = [obj if get_rank() == src else None]
     dist.broadcast_object_list(box, src=src, group=c.torch_group, device=torch.device("cpu"))
     return box[0]

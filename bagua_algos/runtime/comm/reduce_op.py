@@ -1,10 +1,16 @@
-"""Bagua's reduction operators and their torch counterparts."""
+"""Bagua's reduction operators, their torch counterparts, and AVG where the backend
+has none (gloo; NCCL for integers): a SUM, then a division on completion."""
 
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .groups import BaguaCommunicator
 
 
 class ReduceOp(enum.IntEnum):
@@ -45,6 +51,17 @@ def from_torch_reduce_op(op) -> ReduceOp:
     raise ValueError(f"op must be torch.distributed.ReduceOp.SUM or MAX, got {op!r}")
 
 
-def is_torch_world(group) -> bool:
-    """Whether ``group`` is torch's ``dist.group.WORLD`` (the default group)."""
-    return group is dist.group.WORLD
+def _op_and_finish(op: ReduceOp, c: "BaguaCommunicator", out: torch.Tensor):
+    """The torch op to run and the finishers that complete ``op`` on ``out``."""
+    if op != ReduceOp.AVG:
+        return _TORCH_OPS[op], []
+    if c.uses_nccl(out) and (out.is_floating_point() or out.is_complex()):
+        return dist.ReduceOp.AVG, []  # NCCL's own; its integer AVG truncates, Bagua's floors
+    return dist.ReduceOp.SUM, [_divider(out, c.nranks())]
+
+
+def _divider(t: torch.Tensor, size: int):
+    """The finisher of an emulated AVG: ``t`` ← ``t`` / ``size`` (floored for integers, as Bagua)."""
+    if t.is_floating_point() or t.is_complex():
+        return lambda: t.div_(size)
+    return lambda: t.div_(size, rounding_mode="floor")

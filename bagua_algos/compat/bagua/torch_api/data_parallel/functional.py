@@ -6,7 +6,8 @@ import torch
 
 from bagua_algos.runtime import comm as _comm
 from bagua_algos.runtime.comm import ReduceOp  # noqa: F401 - Bagua defines it here too
-from bagua_algos.runtime.comm.reduce_op import TORCH_SUM, from_torch_reduce_op, is_torch_world
+from bagua_algos.runtime.comm.groups import is_torch_world
+from bagua_algos.runtime.comm.reduce_op import TORCH_SUM, from_torch_reduce_op
 
 __all__ = ["ReduceOp", "all_reduce", "torch_reduce_op_to_bagua"]
 

@@ -86,13 +86,24 @@ def per_rank(rank, world, cases):
             for xb, yb in loader:
                 if step == STEPS:
                     break
-                opt.zero_grad()
+                _before_step(name, kwargs, net, opt)
                 torch.nn.functional.cross_entropy(net(xb), yb).backward()
                 opt.step()
                 step += 1
         net.bagua_ddp.detach()
         out[label] = torch.nn.utils.parameters_to_vector(net.parameters()).detach().clone()
     return out
+
+
+def _before_step(name, kwargs, net, opt) -> None:
+    """What the training loop of a gloo worker does before a step's forward."""
+    if not (name == "powersgd" and kwargs.get("error_in_grad")):
+        opt.zero_grad()  # (powersgd's error_in_grad keeps the error in p.grad and resets it itself)
+    if name == "powersgd" and kwargs.get("async_error") == "adaptive":
+        # The engine's transfers are never in flight at the next step, so its adaptive slice
+        # stays the whole buffer; this run is held to that by waiting for them here (else
+        # a transfer late on a loaded machine would halve the slice, at random).
+        net.bagua_ddp.bagua_algorithm.wait_async_error()
 
 
 def stacked(world, name, kwargs):

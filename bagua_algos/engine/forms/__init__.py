@@ -44,12 +44,13 @@ def form_for(algorithm):
 def _register_builtin() -> None:
     from ...algorithms import (AllreduceAverageAlgorithm, AsyncModelAverageAlgorithm, ByteGradAlgorithm,
                                DecentralizedAlgorithm, GradientAllReduceAlgorithm, LowPrecisionDecentralizedAlgorithm,
-                               QAdamAlgorithm, RelayAlgorithm, TernGradAlgorithm)
+                               PowerSGDAlgorithm, QAdamAlgorithm, RelayAlgorithm, TernGradAlgorithm)
     from .allreduce_average import AllreduceAverageForm
     from .bytegrad import ByteGradForm
     from .decentralized import DecentralizedForm
     from .gradient_allreduce import GradientAllReduceForm
     from .low_precision_decentralized import LowPrecisionDecentralizedForm
+    from .powersgd import PowerSGDForm
     from .qadam import QAdamForm
     from .relay import RelayForm
     from .terngrad import TernGradForm
@@ -62,6 +63,7 @@ def _register_builtin() -> None:
     register_form(ByteGradAlgorithm, ByteGradForm)
     register_form(LowPrecisionDecentralizedAlgorithm, LowPrecisionDecentralizedForm)
     register_form(QAdamAlgorithm, QAdamForm)
+    register_form(PowerSGDAlgorithm, PowerSGDForm)
     _REFUSED[AsyncModelAverageAlgorithm] = (
         "its workers average on a background thread every sync_interval_ms of wall-clock time while "
         "training goes on, so which steps an average sees depends on each process's speed and has no "

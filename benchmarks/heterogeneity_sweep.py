@@ -35,7 +35,7 @@ if str(_REPO) not in sys.path:  # run as a script: make the repository importabl
 
 from benchmarks.common import ConfigError, parse_configs, launch_self, without_flag  # noqa: E402
 from benchmarks.sweep_data import DATASETS, DEFAULT_MODEL, MODELS  # noqa: E402
-from benchmarks.sweep_engine import Diverged  # noqa: E402
+from benchmarks.sweep_engine import Diverged, run_result  # noqa: E402
 from benchmarks.common import config_spec  # noqa: E402
 from bagua_algos.algorithms.table import ALGORITHM_TABLE  # noqa: E402
 
@@ -289,17 +289,7 @@ def train_one(args, data, config, alpha: float, lr: float, evaluator) -> dict:
         curve_avg.append(averaged)
         curve_loss.append(float(everyone.mean()))
     model.bagua_ddp.detach()
-    return {
-        "final_min_worker_accuracy": curve_min[-1],
-        "final_mean_worker_accuracy": sum(workers) / len(workers),
-        "final_averaged_model_accuracy": curve_avg[-1],
-        "worker_accuracies": workers,
-        "curve_min_worker_accuracy": curve_min,
-        "curve_averaged_model_accuracy": curve_avg,
-        "curve_train_loss": curve_loss,
-        "seconds": time.perf_counter() - started,
-        "class_histogram": sampler.class_histogram().tolist(),
-    }
+    return run_result(workers, curve_min, curve_avg, curve_loss, started, sampler.class_histogram())
 
 
 def run_worker(args) -> None:

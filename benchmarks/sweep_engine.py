@@ -30,6 +30,23 @@ PARAM_COPIES = 8
 ACTIVATION_FACTOR = 4
 
 
+def run_result(workers, curve_min, curve_avg, curve_loss, started: float, class_histogram) -> dict:
+    """The fields of one run of the sweep, the same from both engines: the last epoch's
+    accuracy of every worker, the curves per epoch, the seconds since ``started``
+    (``time.perf_counter()``) and the per-worker class counts."""
+    return {
+        "final_min_worker_accuracy": curve_min[-1],
+        "final_mean_worker_accuracy": sum(workers) / len(workers),
+        "final_averaged_model_accuracy": curve_avg[-1],
+        "worker_accuracies": workers,
+        "curve_min_worker_accuracy": curve_min,
+        "curve_averaged_model_accuracy": curve_avg,
+        "curve_train_loss": curve_loss,
+        "seconds": time.perf_counter() - started,
+        "class_histogram": np.asarray(class_histogram).tolist(),
+    }
+
+
 class Diverged(RuntimeError):
     """A worker's training loss is not finite: the run stops, the sweep goes on."""
 
@@ -124,14 +141,4 @@ def train_stacked(args, data, config, alpha: float, lr: float, make_model) -> di
         curve_min.append(min(workers))
         curve_avg.append(averaged)
         curve_loss.append(float(losses.mean()))
-    return {
-        "final_min_worker_accuracy": curve_min[-1],
-        "final_mean_worker_accuracy": sum(workers) / len(workers),
-        "final_averaged_model_accuracy": curve_avg[-1],
-        "worker_accuracies": workers,
-        "curve_min_worker_accuracy": curve_min,
-        "curve_averaged_model_accuracy": curve_avg,
-        "curve_train_loss": curve_loss,
-        "seconds": time.perf_counter() - started,
-        "class_histogram": shares.class_histogram().tolist(),
-    }
+    return run_result(workers, curve_min, curve_avg, curve_loss, started, shares.class_histogram())

@@ -705,14 +705,19 @@ def _form_a_and_p(plan: BucketPlan, grads, state: dict, options: PowerSGDOptions
     return steps, products
 
 
-def _redraw_qs(plan: BucketPlan, state: dict, grads) -> None:
+def redraw_qs(plan: BucketPlan, state: dict, dtype: torch.dtype, device) -> None:
     """Step 2 (no warm start): every Q redrawn from N(0, 1) with the generator saved in
-    ``state`` (whose new state is saved back), in the gradients' compute dtype, on their
-    device."""
+    ``state`` (whose new state is saved back), in ``dtype`` on ``device``. One draw per
+    bucket, the same on every worker (a stacked form draws it once for all)."""
     generator = _generator_from(state)
-    first = grads[plan.groups[0].members[0]]
-    state["q"].update(_draw_qs(plan, generator, compute_dtype(first.dtype), first.device))
+    state["q"].update(_draw_qs(plan, generator, dtype, device))
     state["rng_state"] = generator.get_state()
+
+
+def _redraw_qs(plan: BucketPlan, state: dict, grads) -> None:
+    """:func:`redraw_qs` in the gradients' compute dtype, on their device."""
+    first = grads[plan.groups[0].members[0]]
+    redraw_qs(plan, state, compute_dtype(first.dtype), first.device)
 
 
 def _apply_update(groups: List[_GroupStep], factors: Factors, out, options: PowerSGDOptions) -> None:

@@ -177,7 +177,7 @@ class PowerSGDForm(StackedForm):
         if not algorithm.warm_start:
             for b in self.buckets:
                 if b.groups:
-                    psgd._redraw_qs(b.plan, b.state, self.cdtype, grads.device)
+                    psgd.redraw_qs(b.plan, b.state, self.cdtype, grads.device)
         qs = [b.state["q"][group.spec.key].expand(self.n, -1, -1, -1) for b, group in self.groups]
         factors = psgd.power_iteration(a, qs, _mean_over_workers_, algorithm.orthogonalization, algorithm.epsilon)
         for (b, group), a_k, p, q in zip(self.groups, a, factors.p, factors.q):

@@ -115,7 +115,11 @@ class StackedModel:
         self.layout = layout
         self.device = torch.device(device)
         params = dict(self.module.named_parameters())
-        dtype = params[layout.slots[0].name].dtype
+        dtypes = {params[s.name].dtype for s in layout.slots}
+        if len(dtypes) > 1:
+            raise ValueError(f"module: the engine stacks parameters of one dtype, this module has {sorted(map(str, dtypes))}; "
+                             "convert it with module.to(dtype) first")
+        dtype = dtypes.pop()
         flat = torch.zeros(layout.numel, dtype=dtype, device=self.device)
         for slot in layout.slots:
             flat[slot.start:slot.start + slot.numel].copy_(params[slot.name].detach().reshape(-1))

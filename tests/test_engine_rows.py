@@ -1,5 +1,7 @@
-"""engine/forms/rows.py: a row gather as strided slices must add (and copy) exactly
-what a row-by-row loop does, for any index, and find few runs in the usual topologies."""
+"""engine/forms/rows.py: a row gather as strided slices must add (and copy, and sum two
+sources) exactly what a row-by-row loop does, for any index, and find few runs in the
+usual topologies; the gossip's and relay's prepared steps are held to the plain formula
+(and to the gloo processes by test_engine_equality.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from bagua_algos.algorithms import RelayAlgorithm
+from bagua_algos.engine import Engine
+from bagua_algos.engine.forms.decentralized import NeighbourMix
 from bagua_algos.engine.forms.relay import _TreeEdges
 from bagua_algos.engine.forms.rows import MAX_RUNS, RowGather, arithmetic_runs
 from bagua_algos.runtime.topology import resolve_topology
@@ -63,5 +68,65 @@ def test_the_fallback_gathers_an_irregular_index():
 def test_relay_messages_of_the_trees_are_a_few_runs(topology):
     for tree in resolve_topology(topology, 64, require_tree=True, members="workers").trees:
         edges = _TreeEdges(tree, 64, "cpu")
-        for gather in [edges.source, *edges.relay_slots, *edges.in_slot_gathers]:
+        for gather in [edges.first, edges.alone, *edges.relay_slots, *edges.in_slot_gathers]:
             assert gather.runs is not None and len(gather.runs) <= MAX_RUNS
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 30), st.integers(1, 30), st.data())
+def test_a_sum_of_two_gathers_equals_the_row_by_row_loop(rows, first_rows, second_rows, data):
+    pair = st.tuples(st.integers(0, first_rows - 1), st.integers(0, second_rows - 1))
+    index = data.draw(st.lists(st.one_of(st.none(), pair), min_size=rows, max_size=rows))
+    g = torch.Generator().manual_seed(rows * 1000 + first_rows * 31 + second_rows)
+    first, second = torch.randn(first_rows, 5, generator=g), torch.randn(second_rows, 5, generator=g)
+    out = torch.randn(rows, 5, generator=g)
+    expected = out.clone()
+    for r, i in enumerate(index):
+        if i is not None:
+            expected[r] = first[i[0]] + second[i[1]]
+    gather = RowGather(index, "cpu")
+    got = out.clone()
+    for function, args in gather.sum_calls(got, first, second):
+        function(*args)
+    assert torch.equal(got, expected)
+    for r0, s, i0, t, m in gather.runs or []:
+        assert s >= 1 and m >= 1 and min(t) >= 1
+
+
+@pytest.mark.parametrize("topology", ["ring", "exponential", "fully_connected"])
+def test_the_gossip_mix_in_place_is_the_rows_formula(topology):
+    n = 12
+    top = resolve_topology(topology, n, members="workers")
+    x = torch.randn(n, 37, generator=torch.Generator().manual_seed(3))
+    expected = torch.empty_like(x)
+    for i in range(n):  # w_ii x_i, then w_ij x_j in the topology's neighbour order
+        weights = top.gossip_weights(i)
+        expected[i] = x[i] * weights[i]
+        for j in top.neighbors(i):
+            expected[i:i + 1].addcmul_(x[j:j + 1], torch.tensor([[weights[j]]]))
+    mix = NeighbourMix(top, "cpu")
+    got = x.clone()
+    mix.mix_(got)
+    assert torch.equal(got, expected)
+    again = x.clone()
+    mix.mix_(again)  # a second x: the calls are prepared for it, not for the first
+    assert torch.equal(again, expected)
+
+
+@pytest.mark.parametrize("topology", ["chain", "double_binary_tree"])
+def test_relay_counts_stop_being_recomputed_only_at_their_fixed_point(topology):
+    n, steps = 7, 16  # a chain of 7 reaches its fixed point after 6 steps
+    engines = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        engines.append(Engine(torch.nn.Linear(3, 2), n, RelayAlgorithm(topology=topology),
+                              lambda params: torch.optim.SGD(params, lr=0.1)))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(n, 4, 3, generator=g), torch.randint(0, 2, (n, 4), generator=g)
+        engines[1].form._counts_fixed = False  # the reference recomputes the counts every step
+        for engine in engines:
+            engine.step(x, y, torch.nn.functional.cross_entropy)
+    assert engines[0].form._counts_fixed
+    assert engines[0].form.last_counts == [float(n)] * len(engines[0].form.trees)  # everyone heard from all
+    assert torch.equal(engines[0].model.params, engines[1].model.params)

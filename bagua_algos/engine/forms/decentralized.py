@@ -2,10 +2,10 @@
 
     x_i^{t+1} = Σ_j W_ij x_j^t − (the optimizer's update from ∇f_i(x_i^t))
 
-Before forward the form takes X^t (what the per-rank op copies into ``peer_weight``);
-after backward it writes the mixture W X^t into the parameters, so the optimizer step
-then applies each worker's gradient to it, exactly where the per-rank post-backward hook
-copies the gossip result back. W is:
+The per-rank op takes X^t before forward (its copy into ``peer_weight``) and its
+post-backward hook copies the gossip result back; the parameters do not change in
+between, so the form computes the mixture W X^t after backward, in place in the
+parameters, and the optimizer step then applies each worker's gradient to it. W is:
 
 - ``peer_selection_mode="all"`` (flat or hierarchical: the engine is one node, where the
   hierarchical average is the exact average): (1/n) 11ᵀ;
@@ -18,13 +18,15 @@ copies the gossip result back. W is:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ...algorithms.model_averaging import communicates_at
 from ...runtime.ops import shift_one_peer
 from ...runtime.topology import resolve_topology
 from .base import StackedForm
-from .rows import RowGather
+from .rows import RowGather, run_calls
 
 
 class NeighbourMix:
@@ -33,9 +35,10 @@ class NeighbourMix:
     connected one has nothing in its last slots).
 
     Each slot is a :class:`~.rows.RowGather`: a ring's slot is two multiply-adds of
-    contiguous row ranges, not a gather into a fresh ``[n, d]`` tensor and an add. The
-    mix is written into ``out`` (reused by the form), so the ring's costs three passes
-    over ``[n, d]`` where it cost five and two allocations (page faults on the CPU)."""
+    contiguous row ranges, not a gather into a fresh ``[n, d]`` tensor and an add.
+    :meth:`mix_` replaces x by W x in place: the self term into a scratch reused across
+    steps, one multiply-add per slot, the copy back into x (a ring: four passes over
+    ``[n, d]``), prepared once as calls on views (:func:`~.rows.run_calls`)."""
 
     def __init__(self, topology, device):
         n = topology.world_size
@@ -48,13 +51,24 @@ class NeighbourMix:
             index = [nb[k] if k < len(nb) else None for nb in neighbours]
             weight = [rows[i][nb[k]] if k < len(nb) else 0.0 for i, nb in enumerate(neighbours)]
             self.slots.append((RowGather(index, device), torch.tensor(weight, device=device).unsqueeze(1)))
+        self._prepared = None  # (key of x, calls)
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """W x, into ``out`` if given (which must not overlap ``x``)."""
-        out = torch.mul(x, self.self_weight.to(x.dtype), out=out)
-        for gather, weight in self.slots:
-            gather.add_(out, x, weight.to(x.dtype))
-        return out
+    def _calls(self, x: torch.Tensor) -> list:
+        """The passes of ``mix_(x)`` (prepared once per x)."""
+        key = (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
+        if self._prepared is None or self._prepared[0] != key:
+            mixed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            calls = [(functools.partial(torch.mul, out=mixed), (x, self.self_weight.to(x.dtype)))]
+            for gather, weight in self.slots:
+                calls += gather.add_calls(mixed, x, weight.to(x.dtype))
+            calls.append((torch.Tensor.copy_, (x, mixed)))
+            self._prepared = (key, calls)
+        return self._prepared[1]
+
+    def mix_(self, x: torch.Tensor) -> torch.Tensor:
+        """x ← W x, in place (each row's terms in the order above)."""
+        run_calls(self._calls(x))
+        return x
 
 
 class DecentralizedForm(StackedForm):
@@ -67,34 +81,34 @@ class DecentralizedForm(StackedForm):
             self.mix = NeighbourMix(topology, engine.device)
         elif algorithm.peer_selection_mode == "shift_one" and self.n > 1 and self.n % 2:
             raise ValueError(f"shift_one needs an even number of workers, got {self.n}")
-        self._mixed = None
-        self._buffer = None  # W x^t, from before_forward to after_backward (reused)
+        self._exchange = None  # the exchange taken at before_forward, mixed at after_backward
+        self._buffer = None  # shift_one's gathered peers (reused)
 
     def _communicates(self, step: int) -> bool:
         return communicates_at(step, self.algorithm.communication_interval)
 
     @torch.no_grad()
     def before_forward(self, step: int) -> None:
-        if not self._communicates(step):
-            return
-        x = self.engine.model.params.detach()
-        if self._buffer is None:
-            self._buffer = torch.empty_like(x)
-        if self.n == 1:
-            mixed = None  # one worker: the gossip result is its own weights
-        elif self.mix is not None:
-            mixed = self.mix(x, out=self._buffer)
-        elif self.algorithm.peer_selection_mode == "shift_one":
-            peers = torch.tensor([shift_one_peer(i, self.n, self.exchanges) for i in range(self.n)],
-                                 device=x.device)
-            mixed = torch.index_select(x, 0, peers, out=self._buffer).add_(x).mul_(0.5)  # (x_peer + x_i) / 2
-        else:
-            mixed = self._buffer.copy_(x.sum(0, keepdim=True).div_(self.n).expand_as(x))
-        self.exchanges += 1
-        self._mixed = mixed
+        # The per-rank op takes x^t here; the parameters do not change until the
+        # optimizer's step, so the mix of x^t is computed in after_backward, in place.
+        if self._communicates(step):
+            self._exchange = self.exchanges
+            self.exchanges += 1
 
     @torch.no_grad()
     def after_backward(self, step: int) -> None:
-        if self._mixed is not None:
-            self.engine.model.params.copy_(self._mixed)
-            self._mixed = None
+        if self._exchange is None:
+            return
+        exchange, self._exchange = self._exchange, None
+        x = self.engine.model.params.detach()
+        if self.n == 1:
+            return  # one worker: the gossip result is its own weights
+        if self.mix is not None:
+            self.mix.mix_(x)
+        elif self.algorithm.peer_selection_mode == "shift_one":
+            if self._buffer is None:
+                self._buffer = torch.empty_like(x)
+            peers = torch.tensor([shift_one_peer(i, self.n, exchange) for i in range(self.n)], device=x.device)
+            x.copy_(torch.index_select(x, 0, peers, out=self._buffer).add_(x).mul_(0.5))  # (x_peer + x_i) / 2
+        else:
+            x.copy_(x.sum(0, keepdim=True).div_(self.n).expand_as(x))

@@ -10,10 +10,20 @@ i → j are one ``[E, L]`` matrix, built and summed by row gathers (``rows.py``)
     x_i    ← (x½_i + Σ_j m_{j→i} + (n − n̄_i)·x0) / n                (mode "world_size")
 
 with the same order of terms as the per-rank code (a worker with fewer neighbours
-simply has fewer terms), so each worker's numbers round as its process's do. Counts c_{i→j} and n̄_i are Python
-floats per edge and worker, as in the per-rank form. Simulated drops draw, per worker,
-from ``torch.Generator().manual_seed(rank_seed(seed, rank))`` in the per-rank order
-(tree, then neighbour): a dropped message neither counts nor is relayed next step.
+simply has fewer terms), so each worker's numbers round as its process's do. A message
+with a relayed term is built in one pass, ``x½_i + m_{k→i}`` written straight into its
+row (:meth:`~.rows.RowGather.sum_calls`), a leaf's message is a copy of x½. The two
+message matrices of a slice alternate (last step's, this step's), and a slice's step
+(messages, sums, division) is prepared once per slice and buffer as a list of calls on
+views (:func:`~.rows.run_calls`).
+
+Counts c_{i→j} and n̄_i are Python floats per edge and worker, as in the per-rank form;
+n̄ goes to the device as one ``[n, 1]`` tensor per tree when it changes. Without drops the
+counts reach a fixed point (after about a tree's diameter of steps: c_{i→j} then counts
+the workers behind i), and from then on they are not recomputed. Simulated drops draw,
+per worker, from ``torch.Generator().manual_seed(rank_seed(seed, rank))`` in the
+per-rank order (tree, then neighbour): a dropped message neither counts nor is relayed
+next step.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from ...algorithms.relay import coordinate_ranges
 from ...arguments import rank_seed
 from ...runtime.topology import resolve_topology
 from .base import StackedForm
-from .rows import RowGather
+from .rows import RowGather, run_calls
 
 
 class _TreeEdges:
@@ -37,17 +47,27 @@ class _TreeEdges:
         self.neighbours = [list(tree.neighbors(i)) for i in range(n)]
         self.edges = [(i, j) for i in range(n) for j in self.neighbours[i]]
         self.edge_of = {e: k for k, e in enumerate(self.edges)}
-        # message i→j starts from x½_i ...
-        self.source = RowGather([i for i, _ in self.edges], device)
-        # ... and adds m_{k→i} for k in N_i∖j, in neighbour order (slot by slot)
+        # message i→j: x½_i + m_{k→i} for k in N_i∖j, in neighbour order: the first
+        # relayed message with x½ in one pass, a leaf's message is x½ alone, the others
+        # added slot by slot
         most = max((len(nb) for nb in self.neighbours), default=0)
         relayed = [[self.edge_of[(k, i)] for k in self.neighbours[i] if k != j] for i, j in self.edges]
+        self.first = RowGather([(i, r[0]) if r else None for (i, _), r in zip(self.edges, relayed)], device)
+        self.alone = RowGather([i if not r else None for (i, _), r in zip(self.edges, relayed)], device)
         self.relay_slots = [RowGather([r[s] if s < len(r) else None for r in relayed], device)
-                            for s in range(max(most - 1, 0))]
+                            for s in range(1, max(most - 1, 0))]
         # worker i's average sums m_{j→i} for j in N_i, in neighbour order
         self.incoming = [[self.edge_of[(j, i)] for j in self.neighbours[i]] for i in range(n)]
         self.in_slots = [[inc[s] if s < len(inc) else None for inc in self.incoming] for s in range(most)]
         self.in_slot_gathers = [RowGather(slot, device) for slot in self.in_slots]
+
+    def message_calls(self, new: torch.Tensor, x: torch.Tensor, old: torch.Tensor) -> list:
+        """The passes that write every message of this step into ``new`` from x½ and the
+        last step's messages ``old``."""
+        calls = self.first.sum_calls(new, x, old) + self.alone.copy_calls(new, x)
+        for relay in self.relay_slots:
+            calls += relay.add_calls(new, old)
+        return calls
 
     def in_slot_indices(self, dropped_rows: set) -> list:
         """The messages each worker adds, slot by slot; a dropped message adds nothing."""
@@ -72,18 +92,24 @@ class RelayForm(StackedForm):
         self.dropped = 0
         params = engine.model.params.detach()
         self.x0 = params.clone() if self.mode == "world_size" else None
-        # (bucket, tree) slices: [tree, start, end, last messages, spare buffer], both
-        # [E, L], zero messages at the start; the new
-        # messages are built in the spare and the two swap every step
+        # (bucket, tree) slices: (tree, start, end, two [E, L] message matrices, zero at
+        # the start); messages[parity] holds the last step's, the other receives this step's
         self.slices = []
         for bucket in engine.model.layout.buckets:
             for k, (a, b) in enumerate(coordinate_ranges(bucket.size, len(self.trees)) if self.trees else []):
                 rows = len(self.trees[k].edges)
-                buffers = [torch.zeros(rows, b - a, dtype=params.dtype, device=params.device) for _ in range(2)]
-                self.slices.append([k, bucket.start + a, bucket.start + b, *buffers])
+                messages = tuple(torch.zeros(rows, b - a, dtype=params.dtype, device=params.device) for _ in range(2))
+                self.slices.append((k, bucket.start + a, bucket.start + b, messages))
+        self.parity = 0
+        self._prepared = {}  # (slice, parity, params' address) -> the calls of a step without drops
         # c_{j→i} heard last step, per tree: heard[k][(j, i)]
         self.heard = [{e: 0.0 for e in t.edges} for t in self.trees]
         self.last_counts = [1.0] * len(self.trees)
+        self._counts_fixed = False  # no drops and the counts at their fixed point
+        # n̄_i per tree, and n − n̄_i for mode "world_size", as [n, 1] columns
+        self.n_bar = [torch.ones(self.n, 1, dtype=params.dtype, device=params.device) for _ in self.trees]
+        self.rest = [torch.full((self.n, 1), self.n - 1.0, dtype=params.dtype, device=params.device)
+                     for _ in self.trees]
 
     def _draw_drops(self) -> set:
         """(tree, j, i): the message j → i of this step is lost (drawn by worker i)."""
@@ -98,35 +124,59 @@ class RelayForm(StackedForm):
         self.dropped += len(dropped)
         return dropped
 
-    @torch.no_grad()
-    def after_step(self, step: int) -> None:
-        if not self.trees:
-            return
-        params = self.engine.model.params
+    def _count(self) -> set:
+        """This step's counts (heard, n̄) and drops; returns the dropped (tree, j, i)."""
+        if self._counts_fixed:
+            return set()
         # counts sent this step: c_{i→j} = 1 + Σ_{k∈N_i∖j} c_{k→i} (heard last step)
         sent = [{(i, j): 1.0 + sum(heard[(k, i)] for k in tree.neighbours[i] if k != j) for i, j in tree.edges}
                 for tree, heard in zip(self.trees, self.heard)]
         dropped = self._draw_drops()
-        for k, tree in enumerate(self.trees):
-            self.heard[k] = {(j, i): (0.0 if (k, j, i) in dropped else c) for (j, i), c in sent[k].items()}
-        n_bars = [[1.0 + sum(self.heard[k][(j, i)] for j in tree.neighbours[i]) for i in range(self.n)]
+        heard = [{(j, i): (0.0 if (k, j, i) in dropped else c) for (j, i), c in sent[k].items()}
+                 for k in range(len(self.trees))]
+        # without drops the next counts depend on these alone: equal twice, equal for ever
+        self._counts_fixed = self.drop_rate == 0.0 and heard == self.heard
+        self.heard = heard
+        n_bars = [[1.0 + sum(heard[k][(j, i)] for j in tree.neighbours[i]) for i in range(self.n)]
                   for k, tree in enumerate(self.trees)]
-        for piece in self.slices:
-            k, start, end, old, new = piece
-            tree = self.trees[k]
-            x = params[:, start:end]
-            tree.source.copy_(new, x)
-            for relay in tree.relay_slots:
-                relay.add_(new, old)
-            drop_rows = {tree.edge_of[(j, i)] for kk, j, i in dropped if kk == k}
-            for heard in tree.in_slot_indices(drop_rows):  # x½ + Σ_j m_{j→i}, in place as the per-rank form
-                heard.add_(x, new)
-            n_bar = torch.tensor(n_bars[k], dtype=x.dtype, device=x.device).unsqueeze(1)
-            if self.mode == "count":
-                x.div_(n_bar)
-            else:
-                x.addcmul_(self.x0[:, start:end], self.n - n_bar).div_(self.n)
-            if drop_rows:
-                new[sorted(drop_rows)] = 0  # a lost message is not relayed next step either
-            piece[3], piece[4] = new, old
+        for k, n_bar in enumerate(n_bars):
+            column = torch.tensor(n_bar, dtype=self.n_bar[k].dtype).unsqueeze(1)
+            self.n_bar[k].copy_(column)
+            self.rest[k].copy_(self.n - column)
         self.last_counts = [sum(nb) / self.n for nb in n_bars]
+        return dropped
+
+    def _calls(self, params: torch.Tensor, index: int, new: torch.Tensor, old: torch.Tensor, in_gathers) -> list:
+        """One step of slice ``index``: the messages into ``new``, x½ plus the messages
+        heard, the division."""
+        k, start, end, _ = self.slices[index]
+        tree = self.trees[k]
+        x = params[:, start:end]
+        calls = tree.message_calls(new, x, old)
+        for heard in in_gathers:  # x½ + Σ_j m_{j→i}, in place as the per-rank form
+            calls += heard.add_calls(x, new)
+        if self.mode == "count":
+            calls.append((torch.Tensor.div_, (x, self.n_bar[k])))
+        else:
+            calls.append((torch.Tensor.addcmul_, (x, self.x0[:, start:end], self.rest[k])))
+            calls.append((torch.Tensor.div_, (x, self.n)))
+        return calls
+
+    @torch.no_grad()
+    def after_step(self, step: int) -> None:
+        if not self.trees:
+            return
+        params = self.engine.model.params.detach()
+        dropped = self._count()
+        for index, (k, _, _, messages) in enumerate(self.slices):
+            new, old = messages[1 - self.parity], messages[self.parity]
+            drop_rows = {self.trees[k].edge_of[(j, i)] for kk, j, i in dropped if kk == k}
+            if drop_rows:
+                run_calls(self._calls(params, index, new, old, self.trees[k].in_slot_indices(drop_rows)))
+                new[sorted(drop_rows)] = 0  # a lost message is not relayed next step either
+                continue
+            key = (index, self.parity, params.data_ptr())
+            if key not in self._prepared:
+                self._prepared[key] = self._calls(params, index, new, old, self.trees[k].in_slot_gathers)
+            run_calls(self._prepared[key])
+        self.parity = 1 - self.parity

@@ -1,4 +1,4 @@
-"""Row gathers of the stacked state as a few strided slices.
+"""Row gathers of the stacked state as a few strided slices, prepared as calls.
 
 The gossip and relay forms combine rows of ``[rows, L]`` matrices by index:
 ``out[r] += src[index[r]]``. ``index_select`` then ``add_`` costs two passes over the
@@ -7,49 +7,72 @@ rows and a buffer; but the indices of the usual topologies are made of arithmeti
 the previous edge of its direction), and a run ``out[r0::s] += src[i0::t]`` is one pass
 over views, with no buffer. :class:`RowGather` splits an index into such runs, and falls
 back to ``index_select`` into a reused buffer when it has too many (an irregular graph).
+An index may also name one row of each of two sources, ``out[r] = a[i] + b[j]``
+(:meth:`RowGather.sum_calls`: relay's message is x½ plus a relayed message, one pass
+where a copy and an add were two).
 
 Both ways compute the same sums, term by term, so a form's rounding does not depend on
 which way ran. A row whose index is ``None`` takes nothing (its term is an exact zero
 in the per-rank code).
+
+The ``*_calls`` methods return the passes as ``(function, args)`` pairs on given
+tensors, so that a form prepares its step once (the views, the weights in the right
+dtype) and a step is one Python call per pass (:func:`run_calls`).
+
+Not done, because it measured slower: running all of a step's passes column block by
+column block so that each block stays in cache (docs/benchmarks.md, issue 24). On this
+CPU a pass over a block in L2 was no faster than over the whole matrix, and the calls
+per block cost more than the cache saved, at every block size tried.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["RowGather", "arithmetic_runs"]
+__all__ = ["RowGather", "arithmetic_runs", "run_calls"]
 
 MAX_RUNS = 8
 """More runs than this and one ``index_select`` is cheaper than the slices' launches."""
 
 
-def arithmetic_runs(index: Sequence[Optional[int]], lookahead: int = 8) -> list:
+def run_calls(calls: Sequence[tuple]) -> None:
+    """Run prepared ``(function, args)`` pairs in order."""
+    for function, args in calls:
+        function(*args)
+
+
+def arithmetic_runs(index: Sequence, lookahead: int = 8) -> list:
     """``index`` as runs ``(r0, s, i0, t, m)``: rows ``r0 + k·s`` take source rows
     ``i0 + k·t`` for k < m (s, t ≥ 1; m = 1 for a single row); rows whose index is None
     take nothing. Greedy: the first row not yet taken starts a run, paired with whichever
     of the next ``lookahead`` free rows makes the longest one (so a chain's messages,
-    whose directions alternate row by row, make two runs of step 2, not pairs)."""
-    free = {r: i for r, i in enumerate(index) if i is not None}
+    whose directions alternate row by row, make two runs of step 2, not pairs).
+
+    An entry may be a tuple of source rows (one per source read together); ``i0`` and
+    ``t`` are then tuples, every component stepping with the run (each t ≥ 1)."""
+    scalar = all(i is None or not isinstance(i, tuple) for i in index)
+    free = {r: (i if isinstance(i, tuple) else (i,)) for r, i in enumerate(index) if i is not None}
     runs = []
     while free:
         r0 = min(free)
         i0 = free.pop(r0)
-        best = (1, 1, 1)  # (m, s, t)
+        best = (1, 1, (1,) * len(i0))  # (m, s, t)
         for r1 in sorted(r for r in free if r > r0)[:lookahead]:
-            s, t = r1 - r0, free[r1] - i0
-            if t < 1:
+            s, t = r1 - r0, tuple(b - a for a, b in zip(i0, free[r1]))
+            if min(t) < 1:
                 continue
             m = 2
-            while free.get(r0 + m * s, -1) == i0 + m * t:
+            while free.get(r0 + m * s) == tuple(a + m * u for a, u in zip(i0, t)):
                 m += 1
             if m > best[0]:
                 best = (m, s, t)
         m, s, t = best
         for k in range(1, m):
             del free[r0 + k * s]
-        runs.append((r0, s, i0, t, m))
+        runs.append((r0, s, i0[0], t[0], m) if scalar else (r0, s, i0, t, m))
     return runs
 
 
@@ -57,48 +80,94 @@ def _view(x: torch.Tensor, start: int, step: int, count: int) -> torch.Tensor:
     return x[start:start + (count - 1) * step + 1:step]
 
 
+def _gather_add(out, src, index, buffer, absent, weight):
+    gathered = torch.index_select(src, 0, index, out=buffer)
+    if absent is not None:
+        gathered.masked_fill_(absent, 0)
+    if weight is None:
+        out.add_(gathered)
+    else:
+        out.addcmul_(gathered, weight)
+
+
+def _gather_copy(out, src, rows, sources):
+    out.index_copy_(0, rows, torch.index_select(src, 0, sources))
+
+
 class RowGather:
     """``out[r] (op)= src[index[r]]`` for every row r whose index is not None.
 
     ``weight`` (optional, ``[rows, 1]``) multiplies each gathered row: ``out[r] +=
-    w[r]·src[index[r]]``."""
+    w[r]·src[index[r]]``. The ``*_calls`` methods return the passes as ``(function,
+    args)`` pairs on the given tensors, for
+    :func:`run_calls`; ``add_`` and ``copy_`` run them at once."""
 
-    def __init__(self, index: Sequence[Optional[int]], device):
+    def __init__(self, index: Sequence, device):
         self.rows = len(index)
+        self.pairs = all(i is None or isinstance(i, tuple) for i in index)
         runs = arithmetic_runs(index)
         self.runs = runs if len(runs) <= MAX_RUNS else None
         if self.runs is None:
+            if self.pairs:
+                # a sum of two gathers: a copy of the first, then an add of the second
+                self.parts = (RowGather([None if i is None else i[0] for i in index], device),
+                              RowGather([None if i is None else i[1] for i in index], device))
+                return
             # a row with no index gathers row 0, then is zeroed: the term is an exact zero
             self.index = torch.tensor([0 if i is None else i for i in index], dtype=torch.long, device=device)
-            self.absent = torch.tensor([i is None for i in index], device=device).unsqueeze(1)
-            self.any_absent = bool(self.absent.any())
+            absent = torch.tensor([i is None for i in index], device=device).unsqueeze(1)
+            self.absent = absent if bool(absent.any()) else None
+            present = [r for r, i in enumerate(index) if i is not None]
+            self.present_rows = torch.tensor(present, dtype=torch.long, device=device)
+            self.present_sources = torch.tensor([index[r] for r in present], dtype=torch.long, device=device)
         self._buffer = None
 
-    def _gathered(self, src: torch.Tensor) -> torch.Tensor:
-        shape = (self.rows, src.shape[1])
-        if self._buffer is None or self._buffer.shape != shape or self._buffer.dtype != src.dtype:
-            self._buffer = torch.empty(shape, dtype=src.dtype, device=src.device)
-        gathered = torch.index_select(src, 0, self.index, out=self._buffer)
-        return gathered.masked_fill_(self.absent, 0) if self.any_absent else gathered
+    def _buffer_for(self, src: torch.Tensor) -> torch.Tensor:
+        """A contiguous ``[rows, width]`` scratch for the fallback's gather (one storage,
+        grown to the widest source it has gathered from)."""
+        width = src.shape[1]
+        size = self.rows * width
+        if self._buffer is None or self._buffer.numel() < size or self._buffer.dtype != src.dtype \
+                or self._buffer.device != src.device:
+            self._buffer = torch.empty(size, dtype=src.dtype, device=src.device)
+        return self._buffer[:size].view(self.rows, width)
 
-    def add_(self, out: torch.Tensor, src: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def add_calls(self, out: torch.Tensor, src: torch.Tensor, weight: Optional[torch.Tensor] = None) -> list:
+        """``out[r] += src[index[r]]`` (times ``weight[r]`` if given)."""
         if self.runs is None:
-            gathered = self._gathered(src)
-            return out.add_(gathered) if weight is None else out.addcmul_(gathered, weight)
+            return [(_gather_add, (out, src, self.index, self._buffer_for(src), self.absent, weight))]
+        calls = []
         for r0, s, i0, t, m in self.runs:
             target, source = _view(out, r0, s, m), _view(src, i0, t, m)
             if weight is None:
-                target.add_(source)
+                calls.append((torch.Tensor.add_, (target, source)))
             else:
-                target.addcmul_(source, _view(weight, r0, s, m))
+                calls.append((torch.Tensor.addcmul_, (target, source, _view(weight, r0, s, m))))
+        return calls
+
+    def copy_calls(self, out: torch.Tensor, src: torch.Tensor) -> list:
+        """``out[r] = src[index[r]]``; rows with no index are left as they are."""
+        if self.runs is None:
+            return [(_gather_copy, (out, src, self.present_rows, self.present_sources))]
+        return [(torch.Tensor.copy_, (_view(out, r0, s, m), _view(src, i0, t, m))) for r0, s, i0, t, m in self.runs]
+
+    def sum_calls(self, out: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> list:
+        """For an index of pairs (i, j): ``out[r] = first[i] + second[j]`` (in that order
+        of terms); rows with no index are left as they are."""
+        if not self.pairs:
+            raise ValueError("sum_calls needs an index of (first row, second row) pairs")
+        if self.runs is None:
+            return self.parts[0].copy_calls(out, first) + self.parts[1].add_calls(out, second)
+        calls = []
+        for r0, s, i0, t, m in self.runs:
+            add_into = functools.partial(torch.add, out=_view(out, r0, s, m))
+            calls.append((add_into, (_view(first, i0[0], t[0], m), _view(second, i0[1], t[1], m))))
+        return calls
+
+    def add_(self, out: torch.Tensor, src: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        run_calls(self.add_calls(out, src, weight))
         return out
 
     def copy_(self, out: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-        """``out[r] = src[index[r]]``; rows with no index are left as they are."""
-        if self.runs is None:
-            present = ~self.absent.squeeze(1)
-            out[present] = src[self.index[present]]
-            return out
-        for r0, s, i0, t, m in self.runs:
-            _view(out, r0, s, m).copy_(_view(src, i0, t, m))
+        run_calls(self.copy_calls(out, src))
         return out

@@ -13,8 +13,10 @@ Sections:
   8×8 and MNIST's 28×28 images; ``vgg11`` and ``resnet20`` at 3×32×32 (meant for a GPU).
 - ``comm``: at ``--workers`` (64), for each model-averaging form (allreduce average, D-PSGD
   on a ring, relay on a chain and a double binary tree), the share of a training step
-  spent in the form's hooks (goal < 10 % for the MLP); also for PowerSGD at rank 2 (the
-  sweep's setting), whose hooks compress as well as average (no goal).
+  spent in the form's hooks (goal < 10 % for the MLP), and each hook's milliseconds per
+  step; also for PowerSGD at rank 2 (the sweep's setting), whose hooks compress as well
+  as average (no goal). The step and its hooks are timed in the same blocks of steps
+  (``--rounds`` blocks of ``--steps``, after ``--warmup`` steps); the median block's.
 - ``sweep``: the README's default sweep shortened to one α and a few epochs, run as
   processes (``--engine processes``) and on the engine, wall-clock each (goal ≥ 10×).
 
@@ -133,15 +135,23 @@ def batching(args, device) -> list[dict]:
     return out
 
 
+HOOKS = ("before_forward", "after_backward", "after_step")
+
+
 class _TimedForm:
-    """Wraps an engine's form: the seconds its hooks take."""
+    """Wraps an engine's form: the seconds each of its hooks takes (the form's hooks are
+    the whole communication step: gossip, relay, averaging, compression)."""
 
     def __init__(self, form, device):
-        self.form, self.device, self.seconds = form, device, 0.0
+        self.form, self.device = form, device
+        self.seconds = dict.fromkeys(HOOKS, 0.0)
+
+    def reset(self):
+        self.seconds = dict.fromkeys(HOOKS, 0.0)
 
     def __getattr__(self, name):
         target = getattr(self.form, name)
-        if name not in ("before_forward", "after_backward", "after_step"):
+        if name not in HOOKS:
             return target
 
         def timed(step):
@@ -149,12 +159,15 @@ class _TimedForm:
             start = _clock(self.device)
             target(step)
             _sync(self.device)
-            self.seconds += _clock(self.device) - start
+            self.seconds[name] += _clock(self.device) - start
 
         return timed
 
 
 def comm(args, device) -> list[dict]:
+    """Per algorithm: ``--warmup`` steps, then ``--rounds`` blocks of ``--steps`` steps,
+    each block timed whole and hook by hook with the same clock; the share is the hooks'
+    time over the block's, the median over blocks (min and max beside it)."""
     out = []
     loss_fn = torch.nn.functional.cross_entropy
     algorithms = {
@@ -171,18 +184,27 @@ def comm(args, device) -> list[dict]:
             engine = Engine(module, n, algorithm, _sgd, device=device)
             x = torch.randn(n, b, *shape, device=device)
             y = torch.randint(0, 10, (n, b), device=device)
-            for _ in range(2):
+            for _ in range(args.warmup):
                 engine.step(x, y, loss_fn)
             engine.form = timed = _TimedForm(engine.form, device)
-            _sync(device)
-            start = _clock(device)
-            for _ in range(args.steps):
-                engine.step(x, y, loss_fn)
-            _sync(device)
-            total = _clock(device) - start
+            shares, step_ms, hook_ms = [], [], {hook: [] for hook in HOOKS}
+            for _ in range(args.rounds):
+                timed.reset()
+                _sync(device)
+                start = _clock(device)
+                for _ in range(args.steps):
+                    engine.step(x, y, loss_fn)
+                _sync(device)
+                total = _clock(device) - start
+                shares.append(sum(timed.seconds.values()) / total)
+                step_ms.append(total / args.steps * 1e3)
+                for hook in HOOKS:
+                    hook_ms[hook].append(timed.seconds[hook] / args.steps * 1e3)
             out.append({"section": "comm", "model": name, "algorithm": label, "workers": n, "batch": b,
-                        "step_ms": round(total / args.steps * 1e3, 2),
-                        "comm_share": round(timed.seconds / total, 3),
+                        "step_ms": round(statistics.median(step_ms), 2),
+                        "hook_ms": {hook: round(statistics.median(v), 3) for hook, v in hook_ms.items()},
+                        "comm_share": round(statistics.median(shares), 3),
+                        "comm_share_range": [round(min(shares), 3), round(max(shares), 3)],
                         "goal": None if label.startswith("powersgd") else "< 0.10 (mlp)"})
             print(json.dumps(out[-1]), flush=True)
     return out
@@ -214,7 +236,8 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=None, help="n (default: 16 batching, 64 comm, 8 sweep)")
     p.add_argument("--batch", type=int, default=16, help="batch per worker (default 16)")
     p.add_argument("--steps", type=int, default=10, help="steps per timed block (default 10)")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; comm: timed blocks (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="comm: untimed steps before the first block (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--sweep-epochs", type=int, default=5, help="epochs of the shortened sweep (default 5)")
     args = p.parse_args(argv)

@@ -15,7 +15,7 @@ SCRIPT = REPO / "benchmarks" / "engine_benchmark.py"
 @pytest.mark.parametrize("section,args,key", [
     ("batching", ["--workers", "3", "--batch", "4", "--steps", "1", "--rounds", "1", "--models", "mlp"],
      "ratio_vs_one_model_at_n_times_b"),
-    ("comm", ["--workers", "4", "--batch", "4", "--steps", "1"], "comm_share"),
+    ("comm", ["--workers", "4", "--batch", "4", "--steps", "1", "--rounds", "2"], "comm_share"),
 ])
 def test_each_section_prints_its_ratio(section, args, key):
     code, out, err = run_python([SCRIPT, section, "--device", "cpu", *args], timeout=180)

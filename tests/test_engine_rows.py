@@ -94,7 +94,7 @@ def test_a_sum_of_two_gathers_equals_the_row_by_row_loop(rows, first_rows, secon
 
 
 @pytest.mark.parametrize("topology", ["ring", "exponential", "fully_connected"])
-def test_the_gossip_mix_in_place_is_the_rows_formula(topology):
+def test_the_gossip_mix_is_the_rows_formula(topology):
     n = 12
     top = resolve_topology(topology, n, members="workers")
     x = torch.randn(n, 37, generator=torch.Generator().manual_seed(3))
@@ -105,12 +105,36 @@ def test_the_gossip_mix_in_place_is_the_rows_formula(topology):
         for j in top.neighbors(i):
             expected[i:i + 1].addcmul_(x[j:j + 1], torch.tensor([[weights[j]]]))
     mix = NeighbourMix(top, "cpu")
-    got = x.clone()
-    mix.mix_(got)
-    assert torch.equal(got, expected)
-    again = x.clone()
-    mix.mix_(again)  # a second x: the calls are prepared for it, not for the first
-    assert torch.equal(again, expected)
+    spare = torch.empty_like(x)
+    assert torch.equal(mix.mix(x, spare), expected)
+    # the form alternates storages: the result as the next x, the old x as the next out
+    assert torch.equal(mix.mix(spare, x), mix.mix(expected, torch.empty_like(x)))
+
+
+def test_swapped_parameters_train_as_copied_ones():
+    """D-PSGD's mix becomes the parameters by swap_params (no copy): the engine's steps
+    after a swap equal those after a copy of the same values, and the old storage is
+    handed back untouched."""
+    engines = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        engines.append(Engine(torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2)), 4,
+                              RelayAlgorithm(topology="chain"), lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)))
+    g = torch.Generator().manual_seed(2)
+    for step in range(6):
+        x, y = torch.randn(4, 6, 3, generator=g), torch.randint(0, 2, (4, 6), generator=g)
+        values = engines[0].model.params.detach() * 0.5 + 0.01 * step
+        before = engines[0].model.params.detach().clone()
+        returned = engines[0].model.swap_params(values.clone())
+        assert torch.equal(returned, before)
+        engines[1].model.params.detach().copy_(values)
+        for engine in engines:
+            engine.step(x, y, torch.nn.functional.cross_entropy)
+        assert torch.equal(engines[0].model.params, engines[1].model.params)
+    with pytest.raises(ValueError, match="values: a contiguous"):
+        engines[0].model.swap_params(torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="must not share"):
+        engines[0].model.swap_params(engines[0].model.params.detach())
 
 
 @pytest.mark.parametrize("topology", ["chain", "double_binary_tree"])

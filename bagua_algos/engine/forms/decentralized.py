@@ -4,8 +4,10 @@
 
 The per-rank op takes X^t before forward (its copy into ``peer_weight``) and its
 post-backward hook copies the gossip result back; the parameters do not change in
-between, so the form computes the mixture W X^t after backward, in place in the
-parameters, and the optimizer step then applies each worker's gradient to it. W is:
+between, so the form computes the mixture W X^t after backward, into a spare ``[n, d]``
+tensor that then becomes the parameters' storage (``StackedModel.swap_params``: no copy
+back; the old storage is the next spare), and the optimizer step then applies each
+worker's gradient to it. W is:
 
 - ``peer_selection_mode="all"`` (flat or hierarchical: the engine is one node, where the
   hierarchical average is the exact average): (1/n) 11ᵀ;
@@ -36,9 +38,9 @@ class NeighbourMix:
 
     Each slot is a :class:`~.rows.RowGather`: a ring's slot is two multiply-adds of
     contiguous row ranges, not a gather into a fresh ``[n, d]`` tensor and an add.
-    :meth:`mix_` replaces x by W x in place: the self term into a scratch reused across
-    steps, one multiply-add per slot, the copy back into x (a ring: four passes over
-    ``[n, d]``), prepared once as calls on views (:func:`~.rows.run_calls`)."""
+    :meth:`mix` writes W x into a given tensor: the self term, then one multiply-add per
+    slot (a ring: three passes over ``[n, d]``), prepared once per (x, out) pair as calls
+    on views (:func:`~.rows.run_calls`)."""
 
     def __init__(self, topology, device):
         n = topology.world_size
@@ -51,24 +53,24 @@ class NeighbourMix:
             index = [nb[k] if k < len(nb) else None for nb in neighbours]
             weight = [rows[i][nb[k]] if k < len(nb) else 0.0 for i, nb in enumerate(neighbours)]
             self.slots.append((RowGather(index, device), torch.tensor(weight, device=device).unsqueeze(1)))
-        self._prepared = None  # (key of x, calls)
+        self._prepared = {}  # (x, out) -> calls
 
-    def _calls(self, x: torch.Tensor) -> list:
-        """The passes of ``mix_(x)`` (prepared once per x)."""
-        key = (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
-        if self._prepared is None or self._prepared[0] != key:
-            mixed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            calls = [(functools.partial(torch.mul, out=mixed), (x, self.self_weight.to(x.dtype)))]
+    def _calls(self, x: torch.Tensor, out: torch.Tensor) -> list:
+        """The passes of ``mix(x, out)``, prepared for the last two (x, out) pairs (the
+        form alternates between two storages)."""
+        key = (x.data_ptr(), out.data_ptr(), x.shape, x.stride(), out.stride(), x.dtype, x.device)
+        calls = self._prepared.get(key)
+        if calls is None:
+            calls = [(functools.partial(torch.mul, out=out), (x, self.self_weight.to(x.dtype)))]
             for gather, weight in self.slots:
-                calls += gather.add_calls(mixed, x, weight.to(x.dtype))
-            calls.append((torch.Tensor.copy_, (x, mixed)))
-            self._prepared = (key, calls)
-        return self._prepared[1]
+                calls += gather.add_calls(out, x, weight.to(x.dtype))
+            self._prepared = {**dict(list(self._prepared.items())[-1:]), key: calls}
+        return calls
 
-    def mix_(self, x: torch.Tensor) -> torch.Tensor:
-        """x ← W x, in place (each row's terms in the order above)."""
-        run_calls(self._calls(x))
-        return x
+    def mix(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out ← W x (each row's terms in the order above); ``out`` must not overlap x."""
+        run_calls(self._calls(x, out))
+        return out
 
 
 class DecentralizedForm(StackedForm):
@@ -82,7 +84,7 @@ class DecentralizedForm(StackedForm):
         elif algorithm.peer_selection_mode == "shift_one" and self.n > 1 and self.n % 2:
             raise ValueError(f"shift_one needs an even number of workers, got {self.n}")
         self._exchange = None  # the exchange taken at before_forward, mixed at after_backward
-        self._buffer = None  # shift_one's gathered peers (reused)
+        self._spare = None  # [n, d]: the mixture is written here, then becomes the parameters
 
     def _communicates(self, step: int) -> bool:
         return communicates_at(step, self.algorithm.communication_interval)
@@ -100,15 +102,20 @@ class DecentralizedForm(StackedForm):
         if self._exchange is None:
             return
         exchange, self._exchange = self._exchange, None
-        x = self.engine.model.params.detach()
+        model = self.engine.model
+        x = model.params.detach()
         if self.n == 1:
             return  # one worker: the gossip result is its own weights
-        if self.mix is not None:
-            self.mix.mix_(x)
-        elif self.algorithm.peer_selection_mode == "shift_one":
-            if self._buffer is None:
-                self._buffer = torch.empty_like(x)
-            peers = torch.tensor([shift_one_peer(i, self.n, exchange) for i in range(self.n)], device=x.device)
-            x.copy_(torch.index_select(x, 0, peers, out=self._buffer).add_(x).mul_(0.5))  # (x_peer + x_i) / 2
-        else:
+        if self.mix is None and self.algorithm.peer_selection_mode != "shift_one":
             x.copy_(x.sum(0, keepdim=True).div_(self.n).expand_as(x))
+            return
+        if self._spare is None:
+            self._spare = torch.empty_like(x)
+        if self.mix is not None:
+            mixed = self.mix.mix(x, self._spare)
+        else:
+            peers = torch.tensor([shift_one_peer(i, self.n, exchange) for i in range(self.n)], device=x.device)
+            mixed = torch.index_select(x, 0, peers, out=self._spare).add_(x).mul_(0.5)  # (x_peer + x_i) / 2
+        # the mixture becomes the parameters without a copy; their old storage is the
+        # next step's spare
+        self._spare = model.swap_params(mixed)

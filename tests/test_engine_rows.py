@@ -154,3 +154,26 @@ def test_relay_counts_stop_being_recomputed_only_at_their_fixed_point(topology):
     assert engines[0].form._counts_fixed
     assert engines[0].form.last_counts == [float(n)] * len(engines[0].form.trees)  # everyone heard from all
     assert torch.equal(engines[0].model.params, engines[1].model.params)
+
+
+@pytest.mark.parametrize("mode", ["count", "world_size"])
+def test_a_chains_strips_relay_as_the_message_matrix_does(mode, monkeypatch):
+    """A chain's messages built in place in moving strips (relay._ChainStrips) equal the
+    general message matrix's bit for bit, across the strips' copies to their other half
+    (every n − 1 = 4 steps here)."""
+    from bagua_algos.engine.forms import relay
+
+    n, engines = 5, []
+    for chain_strips in (True, False):
+        monkeypatch.setattr(relay, "is_chain", lambda tree, n, strips=chain_strips: strips)
+        torch.manual_seed(0)
+        engines.append(Engine(torch.nn.Linear(3, 2), n, RelayAlgorithm(topology="chain", mode=mode),
+                              lambda params: torch.optim.SGD(params, lr=0.1)))
+    assert isinstance(engines[0].form.slices[0][3], relay._ChainStrips)
+    assert isinstance(engines[1].form.slices[0][3], tuple)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(11):
+        x, y = torch.randn(n, 4, 3, generator=g), torch.randint(0, 2, (n, 4), generator=g)
+        for engine in engines:
+            engine.step(x, y, torch.nn.functional.cross_entropy)
+        assert torch.equal(engines[0].model.params, engines[1].model.params)

@@ -77,6 +77,50 @@ class _TreeEdges:
                 for slot in self.in_slots]
 
 
+def is_chain(tree, n: int) -> bool:
+    """Whether worker i's neighbours are i − 1, then i + 1 (those that exist)."""
+    return all(list(tree.neighbors(i)) == [j for j in (i - 1, i + 1) if 0 <= j < n] for i in range(n))
+
+
+class _ChainStrips:
+    """A chain's messages of one slice, built in place (drop_rate 0).
+
+    r_i = m_{i→i+1} (i < n − 1) and l_i = m_{i→i−1} (i > 0) are n − 1 consecutive rows of
+    a strip of 2(n − 1) rows each: r_i at row ``r0 + i``, l_i at ``l0 + i − 1``. The
+    recurrence r_i ← x½_i + r_{i−1}, l_i ← x½_i + l_{i+1} then writes each new message
+    over the one it relays, one in-place add per direction: the rightward messages' start
+    moves one row up a step, the leftward ones' one row down, and x½ of the chain's first
+    (last) worker takes the row freed at that end. When a start reaches its strip's edge,
+    the messages are copied to the other half (once every n − 1 steps). The message
+    matrix instead adds into a second buffer, a write to memory not in cache: about twice
+    an in-place add's time on this CPU (docs/benchmarks.md)."""
+
+    def __init__(self, n, width, dtype, device):
+        self.n = n
+        self.right = torch.zeros(2 * (n - 1), width, dtype=dtype, device=device)
+        self.left = torch.zeros(2 * (n - 1), width, dtype=dtype, device=device)
+        self.r0, self.l0 = n - 1, 0  # each start has n − 1 rows to move through
+
+    def messages_(self, x: torch.Tensor) -> tuple:
+        """This step's messages from x½ (``[n, L]``): returns (r_0..r_{n−2}, l_1..l_{n−1}),
+        the message each worker i > 0 hears from i − 1 and each i < n − 1 from i + 1."""
+        n, k = self.n, self.n - 1
+        if self.r0 == 0:
+            self.right[k:].copy_(self.right[:k])
+            self.r0 = k
+        if self.l0 == k:
+            self.left[:k].copy_(self.left[k:])
+            self.l0 = 0
+        self.r0 -= 1
+        self.l0 += 1
+        r0, l0 = self.r0, self.l0
+        self.right[r0 + 1:r0 + n - 1].add_(x[1:n - 1])  # old r_{i−1} + x½_i = x½_i + r_{i−1}
+        self.right[r0].copy_(x[0])
+        self.left[l0:l0 + n - 2].add_(x[1:n - 1])  # old l_{i+1} + x½_i
+        self.left[l0 + n - 2].copy_(x[n - 1])
+        return self.right[r0:r0 + k], self.left[l0:l0 + k]
+
+
 class RelayForm(StackedForm):
     def __init__(self, algorithm, engine):
         super().__init__(algorithm, engine)
@@ -92,16 +136,22 @@ class RelayForm(StackedForm):
         self.dropped = 0
         params = engine.model.params.detach()
         self.x0 = params.clone() if self.mode == "world_size" else None
-        # (bucket, tree) slices: (tree, start, end, two [E, L] message matrices, zero at
-        # the start); messages[parity] holds the last step's, the other receives this step's
+        # (bucket, tree) slices: (tree, start, end, messages, zero at the start): a chain's
+        # strips without drops (_ChainStrips), else two [E, L] message matrices, of which
+        # messages[parity] holds the last step's and the other receives this step's
         self.slices = []
         for bucket in engine.model.layout.buckets:
             for k, (a, b) in enumerate(coordinate_ranges(bucket.size, len(self.trees)) if self.trees else []):
-                rows = len(self.trees[k].edges)
-                messages = tuple(torch.zeros(rows, b - a, dtype=params.dtype, device=params.device) for _ in range(2))
+                if self.drop_rate == 0.0 and is_chain(self.trees[k].tree, self.n):
+                    messages = _ChainStrips(self.n, b - a, params.dtype, params.device)
+                else:
+                    rows = len(self.trees[k].edges)
+                    messages = tuple(torch.zeros(rows, b - a, dtype=params.dtype, device=params.device)
+                                     for _ in range(2))
                 self.slices.append((k, bucket.start + a, bucket.start + b, messages))
         self.parity = 0
-        self._prepared = {}  # (slice, parity, params' address) -> the calls of a step without drops
+        self._prepared = {}  # (slice, parity) -> the calls of a step without drops ...
+        self._prepared_for = None  # ... on the parameters at this address
         # c_{j→i} heard last step, per tree: heard[k][(j, i)]
         self.heard = [{e: 0.0 for e in t.edges} for t in self.trees]
         self.last_counts = [1.0] * len(self.trees)
@@ -155,12 +205,13 @@ class RelayForm(StackedForm):
         calls = tree.message_calls(new, x, old)
         for heard in in_gathers:  # x½ + Σ_j m_{j→i}, in place as the per-rank form
             calls += heard.add_calls(x, new)
+        return calls + self._divide_calls(x, k, start, end)
+
+    def _divide_calls(self, x: torch.Tensor, k: int, start: int, end: int) -> list:
+        """x ← x / n̄ (mode "count") or (x + (n − n̄)·x0) / n (mode "world_size")."""
         if self.mode == "count":
-            calls.append((torch.Tensor.div_, (x, self.n_bar[k])))
-        else:
-            calls.append((torch.Tensor.addcmul_, (x, self.x0[:, start:end], self.rest[k])))
-            calls.append((torch.Tensor.div_, (x, self.n)))
-        return calls
+            return [(torch.Tensor.div_, (x, self.n_bar[k]))]
+        return [(torch.Tensor.addcmul_, (x, self.x0[:, start:end], self.rest[k])), (torch.Tensor.div_, (x, self.n))]
 
     @torch.no_grad()
     def after_step(self, step: int) -> None:
@@ -168,14 +219,23 @@ class RelayForm(StackedForm):
             return
         params = self.engine.model.params.detach()
         dropped = self._count()
-        for index, (k, _, _, messages) in enumerate(self.slices):
+        for index, (k, start, end, messages) in enumerate(self.slices):
+            if isinstance(messages, _ChainStrips):
+                x = params[:, start:end]
+                from_left, from_right = messages.messages_(x)
+                x[1:].add_(from_left)  # worker i hears i − 1 first, then i + 1
+                x[:-1].add_(from_right)
+                run_calls(self._divide_calls(x, k, start, end))
+                continue
             new, old = messages[1 - self.parity], messages[self.parity]
             drop_rows = {self.trees[k].edge_of[(j, i)] for kk, j, i in dropped if kk == k}
             if drop_rows:
                 run_calls(self._calls(params, index, new, old, self.trees[k].in_slot_indices(drop_rows)))
                 new[sorted(drop_rows)] = 0  # a lost message is not relayed next step either
                 continue
-            key = (index, self.parity, params.data_ptr())
+            if self._prepared_for != params.data_ptr():  # the parameters moved (swap_params)
+                self._prepared, self._prepared_for = {}, params.data_ptr()
+            key = (index, self.parity)
             if key not in self._prepared:
                 self._prepared[key] = self._calls(params, index, new, old, self.trees[k].in_slot_gathers)
             run_calls(self._prepared[key])

@@ -51,7 +51,7 @@ class _TreeEdges:
         # relayed message with x½ in one pass, a leaf's message is x½ alone, the others
         # added slot by slot
         most = max((len(nb) for nb in self.neighbours), default=0)
-        relayed = [[self.edge_of[(k, i)] for k in self.neighbours[i] if k != j] for i, j in self.edges]
+        self.relayed = relayed = [[self.edge_of[(k, i)] for k in self.neighbours[i] if k != j] for i, j in self.edges]
         self.first = RowGather([(i, r[0]) if r else None for (i, _), r in zip(self.edges, relayed)], device)
         self.alone = RowGather([i if not r else None for (i, _), r in zip(self.edges, relayed)], device)
         self.relay_slots = [RowGather([r[s] if s < len(r) else None for r in relayed], device)
@@ -152,8 +152,8 @@ class RelayForm(StackedForm):
         self.parity = 0
         self._prepared = {}  # (slice, parity) -> the calls of a step without drops ...
         self._prepared_for = None  # ... on the parameters at this address
-        # c_{j→i} heard last step, per tree: heard[k][(j, i)]
-        self.heard = [{e: 0.0 for e in t.edges} for t in self.trees]
+        # c_{j→i} heard last step, per tree and edge: heard[k][edge_of[(j, i)]]
+        self.heard = [[0.0] * len(t.edges) for t in self.trees]
         self.last_counts = [1.0] * len(self.trees)
         self._counts_fixed = False  # no drops and the counts at their fixed point
         # n̄_i per tree, and n − n̄_i for mode "world_size", as [n, 1] columns
@@ -178,17 +178,19 @@ class RelayForm(StackedForm):
         """This step's counts (heard, n̄) and drops; returns the dropped (tree, j, i)."""
         if self._counts_fixed:
             return set()
-        # counts sent this step: c_{i→j} = 1 + Σ_{k∈N_i∖j} c_{k→i} (heard last step)
-        sent = [{(i, j): 1.0 + sum(heard[(k, i)] for k in tree.neighbours[i] if k != j) for i, j in tree.edges}
+        # counts sent this step: c_{i→j} = 1 + Σ_{k∈N_i∖j} c_{k→i} (heard last step); lists
+        # by edge index (the counts are whole numbers: every order of the sums is exact)
+        sent = [[1.0 + sum(heard[e] for e in relayed) for relayed in tree.relayed]
                 for tree, heard in zip(self.trees, self.heard)]
         dropped = self._draw_drops()
-        heard = [{(j, i): (0.0 if (k, j, i) in dropped else c) for (j, i), c in sent[k].items()}
-                 for k in range(len(self.trees))]
+        for k, j, i in dropped:
+            sent[k][self.trees[k].edge_of[(j, i)]] = 0.0
+        heard = sent
         # without drops the next counts depend on these alone: equal twice, equal for ever
         self._counts_fixed = self.drop_rate == 0.0 and heard == self.heard
         self.heard = heard
-        n_bars = [[1.0 + sum(heard[k][(j, i)] for j in tree.neighbours[i]) for i in range(self.n)]
-                  for k, tree in enumerate(self.trees)]
+        n_bars = [[1.0 + sum(h[e] for e in incoming) for incoming in tree.incoming]
+                  for tree, h in zip(self.trees, heard)]
         for k, n_bar in enumerate(n_bars):
             column = torch.tensor(n_bar, dtype=self.n_bar[k].dtype).unsqueeze(1)
             self.n_bar[k].copy_(column)

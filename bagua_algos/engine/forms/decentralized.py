@@ -92,7 +92,7 @@ class DecentralizedForm(StackedForm):
     @torch.no_grad()
     def before_forward(self, step: int) -> None:
         # The per-rank op takes x^t here; the parameters do not change until the
-        # optimizer's step, so the mix of x^t is computed in after_backward, in place.
+        # optimizer's step, so the mix of x^t is computed in after_backward.
         if self._communicates(step):
             self._exchange = self.exchanges
             self.exchanges += 1

@@ -15,15 +15,16 @@ with a relayed term is built in one pass, ``x½_i + m_{k→i}`` written straight
 row (:meth:`~.rows.RowGather.sum_calls`), a leaf's message is a copy of x½. The two
 message matrices of a slice alternate (last step's, this step's), and a slice's step
 (messages, sums, division) is prepared once per slice and buffer as a list of calls on
-views (:func:`~.rows.run_calls`).
+views (:func:`~.rows.run_calls`). A chain without drops keeps its messages otherwise
+(:class:`_ChainStrips`): each new message is written in place over the one it relays.
 
 Counts c_{i→j} and n̄_i are Python floats per edge and worker, as in the per-rank form;
-n̄ goes to the device as one ``[n, 1]`` tensor per tree when it changes. Without drops the
-counts reach a fixed point (after about a tree's diameter of steps: c_{i→j} then counts
-the workers behind i), and from then on they are not recomputed. Simulated drops draw,
-per worker, from ``torch.Generator().manual_seed(rank_seed(seed, rank))`` in the
-per-rank order (tree, then neighbour): a dropped message neither counts nor is relayed
-next step.
+n̄ goes to the device as one ``[n, 1]`` tensor per tree each step they are computed.
+Without drops the counts reach a fixed point (after about a tree's diameter of steps:
+c_{i→j} then counts the workers behind i), and from then on they are not recomputed.
+Simulated drops draw, per worker, from
+``torch.Generator().manual_seed(rank_seed(seed, rank))`` in the per-rank order (tree,
+then neighbour): a dropped message neither counts nor is relayed next step.
 """
 
 from __future__ import annotations

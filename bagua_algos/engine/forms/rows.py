@@ -99,8 +99,8 @@ class RowGather:
 
     ``weight`` (optional, ``[rows, 1]``) multiplies each gathered row: ``out[r] +=
     w[r]·src[index[r]]``. The ``*_calls`` methods return the passes as ``(function,
-    args)`` pairs on the given tensors, for
-    :func:`run_calls`; ``add_`` and ``copy_`` run them at once."""
+    args)`` pairs on the given tensors, for :func:`run_calls`; ``add_`` and ``copy_``
+    run them at once."""
 
     def __init__(self, index: Sequence, device):
         self.rows = len(index)

@@ -135,9 +135,9 @@ def train_stacked(args, data, config, alpha: float, lr: float, make_model) -> di
         if bad:
             raise Diverged(f"worker {bad[0]}'s training loss is {losses[bad[0]].item()} in epoch {epoch} "
                            f"({len(bad)} of {args.workers} workers not finite)")
-        predictions = engine.model.predict(data.test_x)
-        workers = (predictions == data.test_y).float().mean(1).tolist()
-        averaged = float((engine.model.predict_averaged(data.test_x) == data.test_y).float().mean())
+        # every worker's model and the averaged one (the last row) in one batched call
+        accuracies = (engine.model.predict(data.test_x, with_average=True) == data.test_y).float().mean(1).tolist()
+        workers, averaged = accuracies[:-1], accuracies[-1]
         curve_min.append(min(workers))
         curve_avg.append(averaged)
         curve_loss.append(float(losses.mean()))

@@ -95,13 +95,14 @@ def available_bytes(device: torch.device) -> int:
 
 
 def needed_bytes(engine: str, workers: int, model: torch.nn.Module, sample: torch.Tensor, batch: int,
-                 data_bytes: int) -> int:
-    """An estimate of the peak memory of one run of the sweep."""
+                 data_bytes: int, jobs: int = 1) -> int:
+    """An estimate of the peak memory of the sweep: ``jobs`` runs at a time (``--jobs``,
+    the engine's runs in forked processes that share the parent's data)."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     per_worker = PARAM_COPIES * params + ACTIVATION_FACTOR * batch * activation_bytes_per_sample(model, sample)
     if engine == "processes":
         return workers * (PROCESS_BYTES + per_worker + data_bytes)
-    return workers * per_worker + data_bytes
+    return jobs * workers * per_worker + data_bytes
 
 
 def train_stacked(args, data, config, alpha: float, lr: float, make_model) -> dict:

@@ -103,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "with processes each worker on GPU LOCAL_RANK over NCCL, so --workers at most the GPU count")
     p.add_argument("--jobs", type=positive_int, default=None,
                    help="runs of --engine sim trained at a time, each in a process of its own forked from this one "
-                        "(default: the CPUs this process may use divided by --threads, at most the number of runs; "
-                        "1 with --device cuda). The results are the same for any value")
+                        "(default: the idle CPUs (those this process may use, less the load average) divided by "
+                        "--threads, at most the number of runs, lowered to fit memory; 1 with --device cuda). The "
+                        "results are the same for any value")
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch's CPU threads of the sim engine (default 1: fastest for the small models, and no "
                         "spinning threads when the machine is shared; raise it for vgg11/resnet20 on a free CPU)")
@@ -187,6 +188,16 @@ def choose_engine(parser, args) -> None:
                          f"one GPU), at most {gpus} workers, or --device cpu")
 
 
+def idle_cpus() -> int:
+    """The CPUs this process may use, less the machine's load (the last minute's load
+    average, rounded): runs in parallel gain only from cores nobody else keeps busy (on
+    the 2-core machine at a load of 9-14, two runs at a time took 0.8-2x the wall time
+    of one at a time; docs/benchmarks.md)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return max(1, min(cpus, round(cpus - load)))
+
+
 def choose_jobs(parser, args) -> None:
     """args.jobs: how many runs train at a time (sim on the CPU only), checked."""
     runs = len(args.alphas) * len(args.parsed_configs) * len(args.lr_grid or [args.lr])
@@ -199,9 +210,7 @@ def choose_jobs(parser, args) -> None:
                          "cannot share a CUDA context); leave --jobs out or use --device cpu")
     args.jobs_chosen = args.jobs is None  # check_memory may lower a chosen number, never a given one
     if args.jobs is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        on_cpu = args.engine == "sim" and args.device == "cpu"
-        args.jobs = max(1, min(runs, cpus // args.threads)) if on_cpu else 1
+        args.jobs = max(1, min(runs, idle_cpus() // args.threads)) if args.engine == "sim" and args.device == "cpu" else 1
     args.jobs = min(args.jobs, max(runs, 1))
 
 
@@ -362,6 +371,8 @@ def run_sim(args) -> None:
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     data = args.loaded_data.to(device)
     make_model = lambda: build_model(data, args.model)  # noqa: E731
+    if args.jobs > 1:  # torch.optim's optimizers import it when first used (about 1 s): once here, not in every job
+        import torch._dynamo  # noqa: F401
     run_all(args, lambda config, alpha, lr: train_stacked(args, data, config, alpha, lr, make_model), show=True,
             jobs=args.jobs)
 

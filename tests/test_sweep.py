@@ -161,7 +161,7 @@ def test_resume_trains_only_the_runs_not_yet_in_the_log(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     log = (tmp_path / "runs.jsonl").read_text().splitlines()
     assert json.loads(log[0])["sweep_settings"]["workers"] == 4 and len(log) == 3  # settings, a run, a failed run
-    # the runs are logged as they end (two at a time here: in either order)
+    # the runs are logged as they end: in either order when they train at a time (--jobs)
     finished = next(record for record in map(json.loads, log[1:]) if "error" not in record)
     # a kill while a line was written leaves it cut short: it is dropped and trained again
     (tmp_path / "runs.jsonl").write_text("\n".join(log[:3]) + "\n" + log[1][:40])

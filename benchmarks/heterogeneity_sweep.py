@@ -405,8 +405,8 @@ def _forked_job(index: int) -> tuple:
 
 def run_jobs(train, jobs: list, processes: int):
     """(index, record) of every job, as each ends: in this process, or with
-    ``processes`` > 1 that many at a time in processes forked from this one, each
-    training its runs on one core (the runs are independent: every run seeds what it
+    ``processes`` > 1 that many at a time in processes forked from this one, each with
+    ``--threads`` torch threads (the runs are independent: every run seeds what it
     draws, so its record is the same wherever it runs)."""
     if processes <= 1:
         for index, (config, alpha, lr) in enumerate(jobs):

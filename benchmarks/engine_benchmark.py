@@ -18,7 +18,9 @@ Sections:
   as average (no goal). The step and its hooks are timed in the same blocks of steps
   (``--rounds`` blocks of ``--steps``, after ``--warmup`` steps); the median block's.
 - ``sweep``: the README's default sweep shortened to one α and a few epochs, run as
-  processes (``--engine processes``) and on the engine, wall-clock each (goal ≥ 10×).
+  processes (``--engine processes``), on the engine one run at a time (``--jobs 1``)
+  and on the engine as it runs by default (runs in parallel, one a core), wall clock
+  and CPU seconds each (goal ≥ 10×).
 
 On the CPU the first two sections time this process's CPU time (``time.process_time``),
 so that other load on a shared machine does not enter the ratios; the sweep's engines
@@ -211,18 +213,34 @@ def comm(args, device) -> list[dict]:
 
 
 def sweep(args, device) -> list[dict]:
+    """The shortened sweep as whole commands, start-up included: processes, the engine
+    one run at a time (``--jobs 1``) and the engine with its default ``--jobs``, in
+    turn, ``--sweep-rounds`` times; wall clock and the CPU seconds of each command (its
+    processes together), and the load average at its start."""
+    import resource
+
     script = _REPO / "benchmarks" / "heterogeneity_sweep.py"
     common = ["--alphas", "0.1", "--epochs", str(args.sweep_epochs), "--no-progress", "--workers", str(args.workers)]
-    times = {}
-    for engine in ("processes", "sim"):
-        start = time.perf_counter()
-        subprocess.run([sys.executable, str(script), "--engine", engine, "--out-dir",
-                        f"/tmp/engine_benchmark_{engine}", *common], check=True, capture_output=True, timeout=3600)
-        times[engine] = time.perf_counter() - start
-    out = [{"section": "sweep", "workers": args.workers, "epochs": args.sweep_epochs, "alphas": [0.1],
-            "processes_s": round(times["processes"], 1), "sim_s": round(times["sim"], 1),
-            "speedup": round(times["processes"] / times["sim"], 2), "goal": ">= 10"}]
-    print(json.dumps(out[-1]), flush=True)
+    commands = {"processes": ["--engine", "processes"], "sim_jobs1": ["--engine", "sim", "--jobs", "1"],
+                "sim": ["--engine", "sim"]}
+    out = []
+    for round_ in range(args.sweep_rounds):
+        times, cpu, load = {}, {}, {}
+        for name, flags in commands.items():
+            load[name] = float(open("/proc/loadavg").read().split()[0]) if os.path.exists("/proc/loadavg") else None
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            start = time.perf_counter()
+            subprocess.run([sys.executable, str(script), *flags, "--out-dir", f"/tmp/engine_benchmark_{name}",
+                            *common], check=True, capture_output=True, timeout=3600)
+            times[name] = time.perf_counter() - start
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu[name] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        out.append({"section": "sweep", "round": round_ + 1, "workers": args.workers, "epochs": args.sweep_epochs,
+                    "alphas": [0.1], **{f"{k}_s": round(v, 1) for k, v in times.items()},
+                    **{f"{k}_cpu_s": round(v, 1) for k, v in cpu.items()}, "load_at_start": load,
+                    "speedup": round(times["processes"] / times["sim"], 2),
+                    "speedup_jobs1": round(times["processes"] / times["sim_jobs1"], 2), "goal": ">= 10"})
+        print(json.dumps(out[-1]), flush=True)
     return out
 
 
@@ -240,6 +258,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="comm: untimed steps before the first block (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--sweep-epochs", type=int, default=5, help="epochs of the shortened sweep (default 5)")
+    p.add_argument("--sweep-rounds", type=int, default=1, help="rounds of the sweep's three commands (default 1)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)

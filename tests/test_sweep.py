@@ -57,6 +57,7 @@ def test_miniature_sweep_writes_table_json_and_plots(tmp_path):
         (["--engine", "sim", "--configs", "async"], "argument --engine: sim cannot run config 'async'"),
         (["--engine", "sim", "--configs", "allreduce_average", "--workers", "100000"], "argument --workers: 100000 workers of mlp with --engine sim need about"),
         (["--engine", "processes", "--workers", "100000"], "use fewer workers or --engine sim"),
+        (["--engine", "processes", "--jobs", "2"], "argument --jobs: 2 runs at a time is for --engine sim"),
     ],
 )
 def test_bad_arguments_fail_fast_with_a_clear_message(args, message):
@@ -99,17 +100,22 @@ def test_a_nan_loss_stops_its_run_names_the_worker_and_keeps_the_others(tmp_path
     assert [r["lr"] for r in report["failed_runs"]] == [1e30]
 
 
-def test_same_seed_gives_the_same_sweep(tmp_path):
+def test_same_seed_gives_the_same_sweep_one_run_or_two_at_a_time(tmp_path):
+    """The same seed gives the same runs, in the same order, whether the engine trains
+    them one at a time in this process or two at a time in forked processes (--jobs)."""
     curves = []
-    for name in ("a", "b"):
+    for name, jobs in (("a", "1"), ("b", "2")):
         result = run_sweep(
             "--workers", "2", "--configs", "decentralized:hierarchical=false,topology=ring", "--alphas", "0.01",
-            "--epochs", "2", "--max-steps-per-epoch", "4", "--out-dir", str(tmp_path / name), "--no-progress",
+            "--lr-grid", "0.05,0.1", "--epochs", "2", "--max-steps-per-epoch", "4", "--out-dir", str(tmp_path / name),
+            "--no-progress", "--jobs", jobs,
         )
         assert result.returncode == 0, result.stderr[-3000:]
+        assert ("2 runs at a time" in result.stderr) == (jobs == "2")
         report = json.loads((tmp_path / name / "results.json").read_text())
-        run = report["results"][0]
-        curves.append((run["curve_train_loss"], run["worker_accuracies"], run["class_histogram"]))
+        curves.append([(run["lr"], run["curve_train_loss"], run["worker_accuracies"], run["class_histogram"])
+                       for run in report["all_runs"]])
+    assert [c[0] for c in curves[0]] == [0.05, 0.1]
     assert curves[0] == curves[1]
 
 
@@ -155,7 +161,8 @@ def test_resume_trains_only_the_runs_not_yet_in_the_log(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     log = (tmp_path / "runs.jsonl").read_text().splitlines()
     assert json.loads(log[0])["sweep_settings"]["workers"] == 4 and len(log) == 3  # settings, a run, a failed run
-    finished = json.loads(log[1])
+    # the runs are logged as they end: in either order when they train at a time (--jobs)
+    finished = next(record for record in map(json.loads, log[1:]) if "error" not in record)
     # a kill while a line was written leaves it cut short: it is dropped and trained again
     (tmp_path / "runs.jsonl").write_text("\n".join(log[:3]) + "\n" + log[1][:40])
 

@@ -226,14 +226,19 @@ def _levels(x: torch.Tensor, mn: torch.Tensor, gap: torch.Tensor, out: torch.Ten
     return out.div_(gap[:, None])
 
 
-def _round(t: torch.Tensor, levels: int, stochastic: bool, generator, work, clamp: bool = True):
+def _round(t: torch.Tensor, levels: int, stochastic: bool, generator, work, clamp: bool = True,
+           uniforms: Optional[torch.Tensor] = None):
     """Level indices of ``t``, in place, as integral floats in [0, levels]; ``work`` a
-    scratch of t's shape and dtype (the random numbers). ``clamp=False`` when no index
-    can exceed ``levels`` (nearest rounding with a normal gap: t <= levels (1 + 2^-23))."""
+    scratch of t's shape and dtype (the random numbers, drawn from ``generator`` into it,
+    or copied there from ``uniforms``, the caller's u of each value). ``clamp=False`` when
+    no index can exceed ``levels`` (nearest rounding with a normal gap: t <= levels (1 + 2^-23))."""
     if stochastic:
         floor = torch.floor(t)
         frac = t.sub_(floor)
-        u = torch.rand(frac.shape, generator=generator, dtype=frac.dtype, device=frac.device, out=work)
+        if uniforms is None:
+            u = torch.rand(frac.shape, generator=generator, dtype=frac.dtype, device=frac.device, out=work)
+        else:
+            u = work.copy_(uniforms)
         return floor.add_(u.lt_(frac)).clamp_(0, levels)
     if clamp:
         t.clamp_max_(levels)  # = clamping the index: levels is an integer
@@ -280,9 +285,11 @@ def _headers(bits: int, tail: int, mn: torch.Tensor, mx: torch.Tensor) -> torch.
     return head
 
 
-def _quantize_rows(x, mn, mx, bits: int, stochastic: bool, generator, payload) -> None:
+def _quantize_rows(x, mn, mx, bits: int, stochastic: bool, generator, payload, uniforms=None) -> None:
     """The torch path: write the packed level indices of each row of ``x`` (R, n) into
-    ``payload`` (R, ceil(n*bits/8))."""
+    ``payload`` (R, ceil(n*bits/8)). Stochastic rounding draws u block by block, in
+    row-major order of the (R, n) values, from ``generator``, or takes it from
+    ``uniforms`` (R, n) where the caller drew it."""
     rows, n = x.shape
     levels = (1 << bits) - 1
     gap = (mx - mn) / levels
@@ -298,7 +305,7 @@ def _quantize_rows(x, mn, mx, bits: int, stochastic: bool, generator, payload) -
         mn64 = mn[overflow].double()
         gap64 = (mx[overflow].double() - mn64) / levels
         t[overflow] = (x[overflow].double() - mn64[:, None]).div_(gap64[:, None])
-        _pack(_round(t, levels, stochastic, generator, torch.empty_like(t)).float(), bits, payload)
+        _pack(_round(t, levels, stochastic, generator, torch.empty_like(t), uniforms=uniforms).float(), bits, payload)
         return
     per = 8 // bits
     blocks, cells = _blocks(rows, n, x.device)
@@ -307,22 +314,24 @@ def _quantize_rows(x, mn, mx, bits: int, stochastic: bool, generator, payload) -
     for r0, r1, c0, c1 in blocks:
         shape = (r1 - r0, c1 - c0)
         t = _levels(x[r0:r1, c0:c1], mn[r0:r1], gap[r0:r1], t_buf[: shape[0] * shape[1]].view(shape))
-        idx = _round(t, levels, stochastic, generator, work[: t.numel()].view(shape) if stochastic else None, clamp)
+        idx = _round(t, levels, stochastic, generator, work[: t.numel()].view(shape) if stochastic else None, clamp,
+                     None if uniforms is None else uniforms[r0:r1, c0:c1])
         _pack(idx, bits, payload[r0:r1, c0 // per : -(-c1 // per)])
 
 
 def _encode_rows(
     x: torch.Tensor, bits: int, stochastic: bool, generator, non_finite: str,
-    name: Callable[[int], str],
+    name: Callable[[int], str], uniforms: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Encode each row of the 2-D float tensor ``x``; returns (R, encoded_size) uint8."""
+    """Encode each row of the 2-D float tensor ``x``; returns (R, encoded_size) uint8.
+    ``uniforms`` (stochastic rounding's u, x's shape) runs the torch path on any device."""
     rows, n = x.shape
     per = 8 // bits
     tail = (-n) % per
     if n == 0:
         zeros = torch.zeros(rows, dtype=torch.float32, device=x.device)
         return _headers(bits, 0, zeros, zeros)
-    kernels = _kernels(x)
+    kernels = _kernels(x) if uniforms is None else None
     mn, mx, bad = kernels.row_minmax(x) if kernels is not None else _row_minmax(x)
     # bad: a NaN/inf value somewhere; with "raise" refused (on CUDA the encoder's one
     # host synchronisation), with "mark" every chunk becomes the mark
@@ -338,7 +347,7 @@ def _encode_rows(
         return torch.zeros((rows, size), dtype=torch.uint8, device=x.device)
     out = torch.empty((rows, size), dtype=torch.uint8, device=x.device)
     out[:, :HEADER_BYTES] = _headers(bits, tail, mn, mx)
-    _quantize_rows(x, mn, mx, bits, stochastic, generator, out[:, HEADER_BYTES:])
+    _quantize_rows(x, mn, mx, bits, stochastic, generator, out[:, HEADER_BYTES:], uniforms)
     return out
 
 
@@ -373,6 +382,7 @@ def encode_chunks(
     stochastic: bool = False,
     generator: Optional[torch.Generator] = None,
     non_finite: str = "raise",
+    uniforms: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Encode each chunk with its own header; returns the encodings concatenated.
 
@@ -384,10 +394,21 @@ def encode_chunks(
     calls (it is still reproducible from a seeded ``generator``). ``non_finite`` as
     for :func:`encode`: with "mark", a NaN/inf value anywhere makes every chunk the
     mark.
+
+    ``uniforms`` (stochastic rounding, ``chunks`` a 2-D tensor; instead of
+    ``generator``): the u of every value, a float32 tensor of ``chunks``' shape on its
+    device, so that a caller can encode in one pass rows whose u come from different
+    generators (the one-process engine: each worker's chunks from its own stream). On
+    the CPU, u drawn with ``torch.rand((R, m), generator=g)`` gives the bytes that
+    ``generator=g`` gives, except for a chunk whose max − min overflows float32 (the
+    codec then draws float64 u from a generator, and widens the given ones). It runs
+    the torch path on every device (the Triton kernels draw their own u).
     """
     bits = _check_bits(bits)
     _check_stochastic(stochastic)
     _check_non_finite(non_finite)
+    if uniforms is not None:
+        _check_uniforms(uniforms, chunks, stochastic, generator)
     if isinstance(chunks, torch.Tensor):
         _check_tensor(chunks, "chunks")
         if chunks.dim() != 2:
@@ -420,7 +441,25 @@ def encode_chunks(
         for c in chunks:
             dtype = torch.promote_types(dtype, c.dtype)
         rows = torch.stack([c.reshape(-1).to(dtype) for c in chunks])
-    return _encode_rows(rows, bits, stochastic, generator, non_finite, lambda r: f"chunk {r}").reshape(-1)
+    return _encode_rows(rows, bits, stochastic, generator, non_finite, lambda r: f"chunk {r}",
+                        uniforms).reshape(-1)
+
+
+def _check_uniforms(uniforms, chunks, stochastic: bool, generator) -> None:
+    """``uniforms`` of :func:`encode_chunks`: only with stochastic rounding, no
+    generator, 2-D chunks, and float32 of their shape on their device."""
+    if not stochastic:
+        raise ValueError("uniforms are the u of stochastic rounding: pass them with stochastic=True")
+    if generator is not None:
+        raise ValueError("give either generator or uniforms (the u already drawn), not both")
+    if not isinstance(chunks, torch.Tensor):
+        raise ValueError("uniforms need chunks as a 2-D tensor (one chunk a row)")
+    if not isinstance(uniforms, torch.Tensor) or uniforms.dtype != torch.float32:
+        raise TypeError(f"uniforms must be a float32 torch.Tensor, got "
+                        f"{uniforms.dtype if isinstance(uniforms, torch.Tensor) else type(uniforms).__name__}")
+    if uniforms.shape != chunks.shape or uniforms.device != chunks.device:
+        raise ValueError(f"uniforms must have chunks' shape {tuple(chunks.shape)} on {chunks.device}, got "
+                         f"{tuple(uniforms.shape)} on {uniforms.device}")
 
 
 def marked(buf: torch.Tensor, chunks: int = 1) -> torch.Tensor:

@@ -188,10 +188,17 @@ class StackedModel:
         (an integer buffer, BatchNorm's batch count, is worker 0's)."""
         mean = self.params.detach().mean(0)
         out = {s.name: mean[s.start:s.start + s.numel].view(s.shape) for s in self.layout.slots}
-        out.update({name: (b.float().mean(0).to(b.dtype) if b.is_floating_point() else b[0])
-                    for name, b in self.buffers.items()})
+        out.update({name: _average_buffer(b) for name, b in self.buffers.items()})
         out.update(self.frozen)
         return out
+
+    def _with_average(self) -> tuple:
+        """``[n + 1, d]`` parameters and ``[n + 1, ...]`` buffers: every worker's, then
+        the averaged model's (:meth:`averaged_state`'s rule) as row n."""
+        params = self.params.detach()
+        params = torch.cat([params, params.mean(0, keepdim=True)])
+        buffers = {name: torch.cat([b, _average_buffer(b).unsqueeze(0)]) for name, b in self.buffers.items()}
+        return params, buffers
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor:
         """Every worker's loss on its own batch (``x[i]``, ``y[i]``), shape ``[n]``, and
@@ -217,17 +224,24 @@ class StackedModel:
         return losses.detach()
 
     @torch.no_grad()
-    def predict(self, x: torch.Tensor, chunk: int = 1000) -> torch.Tensor:
+    def predict(self, x: torch.Tensor, chunk: int = 1000, with_average: bool = False) -> torch.Tensor:
         """Every worker's predicted class for the shared inputs ``x``: ``[n, len(x)]``
-        (evaluation mode: BatchNorm uses each worker's running statistics)."""
+        (evaluation mode: BatchNorm uses each worker's running statistics). With
+        ``with_average``, ``[n + 1, len(x)]``: row n is the averaged model's
+        (:meth:`predict_averaged`'s), computed in the same batched call."""
         self.module.eval()
-        views = self.param_views(self.params.detach())
+        params, buffers = self._with_average() if with_average else (self.params.detach(), self.buffers)
+        views = self.param_views(params)
+        if self._direct is not None and not buffers:
+            def batched(views, buffers, xs):
+                stacked = xs.unsqueeze(0).expand(params.shape[0], *xs.shape)
+                return self._direct(stacked, {**views, **self.frozen}).argmax(-1)
+        else:
+            def one(params, buffers, xs):
+                return functional_call(self.module, ({**params, **self.frozen}, buffers), (xs,)).argmax(-1)
 
-        def one(params, buffers, xs):
-            return functional_call(self.module, ({**params, **self.frozen}, buffers), (xs,)).argmax(-1)
-
-        batched = vmap(one, in_dims=(0, 0, None))
-        out = torch.cat([batched(views, self.buffers, x[s:s + chunk]) for s in range(0, len(x), chunk)], dim=1)
+            batched = vmap(one, in_dims=(0, 0, None))
+        out = torch.cat([batched(views, buffers, x[s:s + chunk]) for s in range(0, len(x), chunk)], dim=1)
         self.module.train()
         return out
 
@@ -240,3 +254,9 @@ class StackedModel:
                          for s in range(0, len(x), chunk)])
         self.module.train()
         return out
+
+
+def _average_buffer(b: torch.Tensor) -> torch.Tensor:
+    """The averaged model's value of a stacked buffer ``[n, ...]``: the mean of a
+    floating one (computed in float32), worker 0's of an integer one (BatchNorm's count)."""
+    return b.float().mean(0).to(b.dtype) if b.is_floating_point() else b[0]

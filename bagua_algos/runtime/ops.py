@@ -120,9 +120,12 @@ def stacked_compressed_scatter_gather(
     encoding. With nearest rounding each stage is one batched codec call (the codec
     encodes a row from the row alone). With ``stochastic``, worker i draws from
     ``generators[i]`` exactly what its process draws, in its order (its n chunks, then
-    the chunk it reduced): one codec call per worker and stage, since each worker's
-    generator is its own stream. NaN/inf values raise ValueError naming the workers,
-    as :func:`compressed_scatter_gather` names the ranks (one host synchronisation).
+    the chunk it reduced). On the CPU those are drawn first, worker by worker (n
+    ``torch.rand`` calls a stage), and each stage is still one batched codec call that
+    takes them as its ``uniforms``; elsewhere one codec call per worker and stage (the
+    Triton kernels draw their own u from each worker's generator). NaN/inf values raise
+    ValueError naming the workers, as :func:`compressed_scatter_gather` names the ranks
+    (one host synchronisation).
     """
     n, numel = x.shape
     if stochastic and (generators is None or len(generators) != n):
@@ -133,7 +136,11 @@ def stacked_compressed_scatter_gather(
     if chunk * n != numel:
         padded = torch.cat([padded, padded.new_zeros(n, chunk * n - numel)], dim=1)
     rows = padded.reshape(n * n, chunk)  # worker i's chunk j: row i·n + j
-    if stochastic:
+    predraw = stochastic and x.device.type == "cpu"
+    if predraw:
+        sent = minmax.encode_chunks(rows, bits, stochastic=True, non_finite="mark",
+                                    uniforms=_uniforms(generators, (n, chunk), x.device).view(n * n, chunk))
+    elif stochastic:
         blocks = rows.view(n, n, chunk)
         sent = torch.cat([minmax.encode_chunks(blocks[i], bits, stochastic=True, generator=generators[i],
                                                non_finite="mark") for i in range(n)])
@@ -142,7 +149,10 @@ def stacked_compressed_scatter_gather(
     sent_values = minmax.decode_chunks(sent, n * n, bits=bits, numel=chunk).view(n, n, chunk)
     # worker k reduces chunk k of every sender i: [k, i, chunk]
     reduced = reduce_chunks(sent_values.transpose(0, 1).contiguous(), average)
-    if stochastic:
+    if predraw:
+        own = minmax.encode_chunks(reduced, bits, stochastic=True, non_finite="mark",
+                                   uniforms=_uniforms(generators, (chunk,), x.device))
+    elif stochastic:
         own = torch.cat([minmax.encode(reduced[k], bits, stochastic=True, generator=generators[k],
                                        non_finite="mark") for k in range(n)])
     else:
@@ -154,6 +164,16 @@ def stacked_compressed_scatter_gather(
     with torch.no_grad():
         x.copy_(result.expand(n, numel))
     return sent_values.view(n, n * chunk)[:, :numel]
+
+
+def _uniforms(generators, shape: tuple, device) -> torch.Tensor:
+    """``[len(generators), *shape]`` float32: row i drawn from ``generators[i]``, as one
+    ``torch.rand(shape, generator=generators[i])`` (what the codec would draw for an
+    encode of that shape)."""
+    out = torch.empty((len(generators), *shape), dtype=torch.float32, device=device)
+    for row, generator in zip(out, generators):
+        torch.rand(shape, generator=generator, dtype=torch.float32, device=device, out=row)
+    return out
 
 
 # A worker whose values are not finite cannot encode them, and raising alone would leave

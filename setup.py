@@ -47,7 +47,8 @@ setup(
     packages=find_packages(include=[p for root in PACKAGE_ROOTS for p in (root, root + ".*")]),
     package_data=PACKAGE_DATA,
     install_requires=["torch>=2.4", "torchvision", "numpy", "tqdm", "matplotlib", "scikit-learn", "mlxtend"],
-    # lightning: bagua_algos.lightning (strategy="bagua"); the tests run it too.
-    extras_require={"lightning": ["lightning>=2.1"], "test": ["pytest", "hypothesis", "lightning>=2.1"]},
+    # lightning: bagua_algos.lightning (strategy="bagua"); the tests run it too. pytest-xdist:
+    # the README's test command runs a pytest process per core.
+    extras_require={"lightning": ["lightning>=2.1"], "test": ["pytest", "pytest-xdist", "hypothesis", "lightning>=2.1"]},
     **compiled_extensions(),
 )

@@ -30,15 +30,16 @@ import torch
 KINDS = ("cpu", "cuda")
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = {
-    "cpu": ["bindings.cpp", "orthogonalize_cpu.cpp"],
-    "cuda": ["bindings.cpp", "orthogonalize_cpu.cpp", "orthogonalize_cuda.cpp", "orthogonalize_kernel.cu"],
+    "cpu": ["bindings.cpp", "orthogonalize_cpu.cpp", "powersgd_cpu.cpp"],
+    "cuda": ["bindings.cpp", "orthogonalize_cpu.cpp", "powersgd_cpu.cpp", "orthogonalize_cuda.cpp",
+             "orthogonalize_kernel.cu"],
 }
-HEADERS = ["householder.h", "orthogonalize.h", "orthogonalize_kernel.h"]
+HEADERS = ["householder.h", "orthogonalize.h", "orthogonalize_kernel.h", "powersgd_cpu.h"]
 MODULE_NAMES = {"cpu": "bagua_orthogonalize_cpu", "cuda": "bagua_orthogonalize_cuda"}
 PREBUILT = {"cpu": "cuda_ext._orthogonalize_cpu", "cuda": "cuda_ext._orthogonalize_cuda"}
 CACHE_ENV = "BAGUA_CUDA_EXT_CACHE"
 VERBOSE_ENV = "BAGUA_CUDA_EXT_VERBOSE"
-CXX_FLAGS = ["-O3"]  # torch chooses the C++ standard (C++20 for torch 2.15)
+CXX_FLAGS = ["-O3", "-fopenmp-simd"]  # torch chooses the C++ standard; -fopenmp-simd: powersgd_cpu.cpp's vector loops
 NVCC_FLAGS = ["-O3"]
 
 

@@ -12,19 +12,30 @@
 // writes E; the update reads E and writes E and G. The step is memory-bound on one
 // thread (issue 27 in docs/benchmarks.md), so fewer passes are the speed-up.
 //
-// Sums run over k in vector lanes (reduction) and over j in order, so results match
-// torch's products up to rounding, not bit for bit. Rows are spread over ATen's threads.
+// A sum over k runs in 8 (float) or 4 (double) vector lanes, the lanes added at the end
+// of the row; a sum over the columns j runs in order. So results match torch's products
+// up to rounding, not bit for bit. Rows are spread over ATen's threads.
+//
+// Measured (one thread, ResNet-18's 21 matrices, docs/benchmarks.md issue 27): forming
+// is faster than torch's add + product at r <= 2 only (at r = 8 its r dot products per
+// row cost more than MKL's), so powersgd.py takes it there; the update is faster at every
+// rank measured (1, 2, 4, 8).
 #include "powersgd_cpu.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 
+// a * b + c as one fused multiply-add where the instruction set has one (ISO C++ modes
+// turn contraction off by default): one rounding instead of two, and half the work.
+#pragma GCC optimize("fp-contract=fast")
+
 namespace bagua_householder {
 namespace {
 
-// 256-bit vectors through GCC's vector extensions: native on AVX2/AVX-512, two SSE
-// registers on the default build. Loads and stores by memcpy (unaligned).
+// 256-bit vectors through GCC's vector extensions: one register in the AVX2 + FMA
+// variant (below), two SSE registers in the baseline one. Loads and stores by memcpy
+// (unaligned).
 template <typename T>
 struct VectorOf;
 template <>
@@ -64,12 +75,11 @@ template <typename T, int R>
 __attribute__((always_inline)) inline void form_row(T* __restrict e, const T* __restrict g, const T* __restrict qt,
                                                     int64_t m, T decay, bool form, T* sums) {
   Vec<T> acc[R] = {};
-  const Vec<T> scale = decay - Vec<T>{};
   int64_t k = 0;
   for (; k + kLanes<T> <= m; k += kLanes<T>) {
     Vec<T> a = load<T>(e + k);
     if (form) {
-      a = load<T>(g + k) + scale * a;
+      a = load<T>(g + k) + decay * a;
       store<T>(e + k, a);
     }
     for (int j = 0; j < R; ++j) acc[j] += a * load<T>(qt + j * m + k);
@@ -90,12 +100,10 @@ __attribute__((always_inline)) inline void form_row(T* __restrict e, const T* __
 template <typename T, int R>
 __attribute__((always_inline)) inline void update_row(T* __restrict e, T* __restrict g, const T* p,
                                                       const T* __restrict qt, int64_t m, bool add, bool last) {
-  Vec<T> coefficient[R] = {};
-  for (int j = 0; j < R; ++j) coefficient[j] = p[j] - Vec<T>{};
   int64_t k = 0;
   for (; k + kLanes<T> <= m; k += kLanes<T>) {
-    Vec<T> u = coefficient[0] * load<T>(qt + k);
-    for (int j = 1; j < R; ++j) u += coefficient[j] * load<T>(qt + j * m + k);
+    Vec<T> u = p[0] * load<T>(qt + k);
+    for (int j = 1; j < R; ++j) u += p[j] * load<T>(qt + j * m + k);
     if (add) u += load<T>(g + k);
     store<T>(g + k, u);
     if (last) store<T>(e + k, load<T>(e + k) - u);
@@ -111,9 +119,6 @@ __attribute__((always_inline)) inline void update_row(T* __restrict e, T* __rest
 
 // Rows per task: enough values (about 64k) that waking a thread pays off.
 int64_t grain(int64_t m) { return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(m, 1)); }
-
-// Compiled once per instruction set; the loader picks the best the CPU has at load time.
-#define BAGUA_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 
 // Rows [begin, end): the columns of P in sweeps of up to kMaxColumns, the first sweep forming A.
 template <typename T>
@@ -169,45 +174,60 @@ __attribute__((always_inline)) inline void update_rows(T* e, T* g, const T* p, i
   }
 }
 
-BAGUA_CLONES void form_rows_float(float* e, const float* g, const float* qt, float* p, int64_t p_row, int64_t p_col,
-                                  int64_t begin, int64_t end, int64_t m, int64_t r, float decay) {
-  form_rows<float>(e, g, qt, p, p_row, p_col, begin, end, m, r, decay);
+// Each kernel twice on x86-64: for AVX2 with FMA (256-bit fused multiply-adds), taken
+// where the CPU has them, and for the baseline instruction set; once elsewhere.
+template <typename T>
+void form_rows_baseline(T* e, const T* g, const T* qt, T* p, int64_t p_row, int64_t p_col, int64_t begin,
+                        int64_t end, int64_t m, int64_t r, T decay) {
+  form_rows<T>(e, g, qt, p, p_row, p_col, begin, end, m, r, decay);
 }
-BAGUA_CLONES void form_rows_double(double* e, const double* g, const double* qt, double* p, int64_t p_row,
-                                   int64_t p_col, int64_t begin, int64_t end, int64_t m, int64_t r, double decay) {
-  form_rows<double>(e, g, qt, p, p_row, p_col, begin, end, m, r, decay);
-}
-BAGUA_CLONES void update_rows_float(float* e, float* g, const float* p, int64_t p_row, int64_t p_col, const float* qt,
-                                    int64_t begin, int64_t end, int64_t m, int64_t r) {
-  update_rows<float>(e, g, p, p_row, p_col, qt, begin, end, m, r);
-}
-BAGUA_CLONES void update_rows_double(double* e, double* g, const double* p, int64_t p_row, int64_t p_col,
-                                     const double* qt, int64_t begin, int64_t end, int64_t m, int64_t r) {
-  update_rows<double>(e, g, p, p_row, p_col, qt, begin, end, m, r);
+template <typename T>
+void update_rows_baseline(T* e, T* g, const T* p, int64_t p_row, int64_t p_col, const T* qt, int64_t begin,
+                          int64_t end, int64_t m, int64_t r) {
+  update_rows<T>(e, g, p, p_row, p_col, qt, begin, end, m, r);
 }
 
-void form_any(const at::Tensor& e, const at::Tensor& g, const at::Tensor& qt, const at::Tensor& p, double decay,
-              int64_t begin, int64_t end) {
+#if defined(__x86_64__) && defined(__GNUC__)
+template <typename T>
+__attribute__((target("avx2,fma"))) void form_rows_fma(T* e, const T* g, const T* qt, T* p, int64_t p_row,
+                                                       int64_t p_col, int64_t begin, int64_t end, int64_t m,
+                                                       int64_t r, T decay) {
+  form_rows<T>(e, g, qt, p, p_row, p_col, begin, end, m, r, decay);
+}
+template <typename T>
+__attribute__((target("avx2,fma"))) void update_rows_fma(T* e, T* g, const T* p, int64_t p_row, int64_t p_col,
+                                                         const T* qt, int64_t begin, int64_t end, int64_t m,
+                                                         int64_t r) {
+  update_rows<T>(e, g, p, p_row, p_col, qt, begin, end, m, r);
+}
+bool has_fma() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+#endif
+
+template <typename T>
+void form_typed(const at::Tensor& e, const at::Tensor& g, const at::Tensor& qt, const at::Tensor& p, double decay,
+                int64_t begin, int64_t end) {
   const int64_t m = e.size(1), r = qt.size(0);
-  if (e.scalar_type() == at::kFloat) {
-    form_rows_float(e.data_ptr<float>(), g.data_ptr<float>(), qt.data_ptr<float>(), p.data_ptr<float>(), p.stride(0),
-                    p.stride(1), begin, end, m, r, static_cast<float>(decay));
-  } else {
-    form_rows_double(e.data_ptr<double>(), g.data_ptr<double>(), qt.data_ptr<double>(), p.data_ptr<double>(),
-                     p.stride(0), p.stride(1), begin, end, m, r, decay);
-  }
+  auto* kernel = &form_rows_baseline<T>;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (has_fma()) kernel = &form_rows_fma<T>;
+#endif
+  kernel(e.data_ptr<T>(), g.data_ptr<T>(), qt.data_ptr<T>(), p.data_ptr<T>(), p.stride(0), p.stride(1), begin, end, m,
+         r, static_cast<T>(decay));
 }
 
-void update_any(const at::Tensor& e, const at::Tensor& g, const at::Tensor& p, const at::Tensor& qt, int64_t begin,
-                int64_t end) {
+template <typename T>
+void update_typed(const at::Tensor& e, const at::Tensor& g, const at::Tensor& p, const at::Tensor& qt, int64_t begin,
+                  int64_t end) {
   const int64_t m = e.size(1), r = qt.size(0);
-  if (e.scalar_type() == at::kFloat) {
-    update_rows_float(e.data_ptr<float>(), g.data_ptr<float>(), p.data_ptr<float>(), p.stride(0), p.stride(1),
-                      qt.data_ptr<float>(), begin, end, m, r);
-  } else {
-    update_rows_double(e.data_ptr<double>(), g.data_ptr<double>(), p.data_ptr<double>(), p.stride(0), p.stride(1),
-                       qt.data_ptr<double>(), begin, end, m, r);
-  }
+  auto* kernel = &update_rows_baseline<T>;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (has_fma()) kernel = &update_rows_fma<T>;
+#endif
+  kernel(e.data_ptr<T>(), g.data_ptr<T>(), p.data_ptr<T>(), p.stride(0), p.stride(1), qt.data_ptr<T>(), begin, end, m,
+         r);
 }
 
 }  // namespace
@@ -215,12 +235,24 @@ void update_any(const at::Tensor& e, const at::Tensor& g, const at::Tensor& p, c
 void powersgd_form_a_and_p_cpu(const at::Tensor& e, const at::Tensor& g, const at::Tensor& qt, const at::Tensor& p,
                                double decay) {
   at::parallel_for(0, e.size(0), grain(e.size(1)),
-                   [&](int64_t begin, int64_t end) { form_any(e, g, qt, p, decay, begin, end); });
+                   [&](int64_t begin, int64_t end) {
+                     if (e.scalar_type() == at::kFloat) {
+                       form_typed<float>(e, g, qt, p, decay, begin, end);
+                     } else {
+                       form_typed<double>(e, g, qt, p, decay, begin, end);
+                     }
+                   });
 }
 
 void powersgd_apply_update_cpu(const at::Tensor& e, const at::Tensor& g, const at::Tensor& p, const at::Tensor& qt) {
   at::parallel_for(0, e.size(0), grain(e.size(1)),
-                   [&](int64_t begin, int64_t end) { update_any(e, g, p, qt, begin, end); });
+                   [&](int64_t begin, int64_t end) {
+                     if (e.scalar_type() == at::kFloat) {
+                       update_typed<float>(e, g, p, qt, begin, end);
+                     } else {
+                       update_typed<double>(e, g, p, qt, begin, end);
+                     }
+                   });
 }
 
 }  // namespace bagua_householder

@@ -62,8 +62,13 @@ GPU: no ``.item()``, no branch on a tensor's values, no blocking host copy.
 On CPU (one thread, memory-bound): the products are one ``torch.mm`` per matrix; A is
 formed matrix by matrix just before its P = A·Q, which then reads it from cache; and at
 r ≥ 2 the update is written to G first and subtracted from e, where MKL's small-k GEMM
-is the slow part (see :func:`_matmul`, :func:`_form_a_and_p`,
-:func:`_subtracts_written_update`; figures in docs/benchmarks.md, issue 27).
+is the slow part. Where cuda_ext's CPU module is loaded (it is never built here:
+``orthogonalization.prepare("householder", "cpu")`` builds and loads it), forming A with
+P = A·Q (r ≤ ``FUSED_FORM_MAX_RANK``) and the update G ← P·Qᵀ, e ← e − P·Qᵀ (every r)
+each run as one sweep over a matrix's rows, so the gradients' size crosses the memory
+bus fewer times; results agree with the torch ops to rounding (see :func:`_matmul`,
+:func:`_form_a_and_p`, :func:`_updates_matrix_by_matrix`, :func:`_fused_cpu_passes`;
+figures in docs/benchmarks.md, issue 27).
 
 Random draws (the initial Q's; every Q without warm start) come from a CPU generator
 seeded with ``seed`` and are then moved to the gradients' device, so one seed gives the

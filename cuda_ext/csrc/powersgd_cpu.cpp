@@ -25,10 +25,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cstdint>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 // a * b + c as one fused multiply-add where the instruction set has one (ISO C++ modes
 // turn contraction off by default): one rounding instead of two, and half the work.
@@ -66,30 +62,6 @@ template <typename T>
 __attribute__((always_inline)) inline void store(T* p, Vec<T> v) {
   __builtin_memcpy(p, &v, sizeof(v));
 }
-// A non-temporal store of one vector to 16-byte aligned memory: two SSE2 streaming
-// stores (SSE2 is every x86-64's baseline, so both variants below can inline it).
-#if defined(__x86_64__)
-constexpr bool kStreams = true;
-template <typename T>
-__attribute__((always_inline)) inline void stream_store(T* p, Vec<T> v) {
-  if constexpr (sizeof(T) == 4) {
-    _mm_stream_ps(reinterpret_cast<float*>(p), __m128{v[0], v[1], v[2], v[3]});
-    _mm_stream_ps(reinterpret_cast<float*>(p) + 4, __m128{v[4], v[5], v[6], v[7]});
-  } else {
-    _mm_stream_pd(reinterpret_cast<double*>(p), __m128d{v[0], v[1]});
-    _mm_stream_pd(reinterpret_cast<double*>(p) + 2, __m128d{v[2], v[3]});
-  }
-}
-inline void stream_fence() { _mm_sfence(); }
-#else
-constexpr bool kStreams = false;
-template <typename T>
-inline void stream_store(T* p, Vec<T> v) {
-  store<T>(p, v);
-}
-inline void stream_fence() {}
-#endif
-
 template <typename T>
 __attribute__((always_inline)) inline T lane_sum(Vec<T> v) {
   T sum = 0;
@@ -124,37 +96,16 @@ __attribute__((always_inline)) inline void form_row(T* __restrict e, const T* __
 }
 
 // One row, R columns of P: u = sum_j p_j qt_j (+ g, what earlier sweeps summed, when
-// `add`), written to g; with `last`, also e <- e - u. With `Stream` (x86-64) g
-// is written by non-temporal stores where it is final (one sweep: !add && last): G is
-// not read here, so an ordinary store would first read each of its cache lines from
-// memory (one more pass over the gradients' size); the caller fences after its rows.
-// (Where g is not even aligned to its element size, nothing is streamed.)
-template <typename T, int R, bool Stream>
+// `add`), written to g; with `last`, also e <- e - u.
+template <typename T, int R>
 __attribute__((always_inline)) inline void update_row(T* __restrict e, T* __restrict g, const T* p,
                                                       const T* __restrict qt, int64_t m, bool add, bool last) {
   int64_t k = 0;
-  const bool stream = Stream && !add && last;
-  if (stream) {  // up to g's first 16-byte boundary one value at a time, for aligned streaming stores
-    for (; k < m && reinterpret_cast<uintptr_t>(g + k) % 16 != 0; ++k) {
-      T u = p[0] * qt[k];
-      for (int j = 1; j < R; ++j) u += p[j] * qt[j * m + k];
-      g[k] = u;
-      e[k] -= u;
-    }
-  }
   for (; k + kLanes<T> <= m; k += kLanes<T>) {
     Vec<T> u = p[0] * load<T>(qt + k);
     for (int j = 1; j < R; ++j) u += p[j] * load<T>(qt + j * m + k);
     if (add) u += load<T>(g + k);
-    if constexpr (Stream) {
-      if (stream) {
-        stream_store<T>(g + k, u);
-      } else {
-        store<T>(g + k, u);
-      }
-    } else {
-      store<T>(g + k, u);
-    }
+    store<T>(g + k, u);
     if (last) store<T>(e + k, load<T>(e + k) - u);
   }
   for (; k < m; ++k) {
@@ -196,7 +147,7 @@ __attribute__((always_inline)) inline void form_rows(T* e, const T* g, const T* 
   }
 }
 
-template <typename T, bool Stream>
+template <typename T>
 __attribute__((always_inline)) inline void update_rows(T* e, T* g, const T* p, int64_t p_row, int64_t p_col,
                                                        const T* qt, int64_t begin, int64_t end, int64_t m,
                                                        int64_t r) {
@@ -210,14 +161,14 @@ __attribute__((always_inline)) inline void update_rows(T* e, T* g, const T* p, i
       const bool add = j0 > 0, last = j0 + columns == r;
       for (int64_t j = 0; j < columns; ++j) coefficients[j] = p[i * p_row + (j0 + j) * p_col];
       switch (columns) {
-        case 1: update_row<T, 1, Stream>(ei, gi, coefficients, q, m, add, last); break;
-        case 2: update_row<T, 2, Stream>(ei, gi, coefficients, q, m, add, last); break;
-        case 3: update_row<T, 3, Stream>(ei, gi, coefficients, q, m, add, last); break;
-        case 4: update_row<T, 4, Stream>(ei, gi, coefficients, q, m, add, last); break;
-        case 5: update_row<T, 5, Stream>(ei, gi, coefficients, q, m, add, last); break;
-        case 6: update_row<T, 6, Stream>(ei, gi, coefficients, q, m, add, last); break;
-        case 7: update_row<T, 7, Stream>(ei, gi, coefficients, q, m, add, last); break;
-        default: update_row<T, 8, Stream>(ei, gi, coefficients, q, m, add, last); break;
+        case 1: update_row<T, 1>(ei, gi, coefficients, q, m, add, last); break;
+        case 2: update_row<T, 2>(ei, gi, coefficients, q, m, add, last); break;
+        case 3: update_row<T, 3>(ei, gi, coefficients, q, m, add, last); break;
+        case 4: update_row<T, 4>(ei, gi, coefficients, q, m, add, last); break;
+        case 5: update_row<T, 5>(ei, gi, coefficients, q, m, add, last); break;
+        case 6: update_row<T, 6>(ei, gi, coefficients, q, m, add, last); break;
+        case 7: update_row<T, 7>(ei, gi, coefficients, q, m, add, last); break;
+        default: update_row<T, 8>(ei, gi, coefficients, q, m, add, last); break;
       }
     }
   }
@@ -233,8 +184,7 @@ void form_rows_baseline(T* e, const T* g, const T* qt, T* p, int64_t p_row, int6
 template <typename T>
 void update_rows_baseline(T* e, T* g, const T* p, int64_t p_row, int64_t p_col, const T* qt, int64_t begin,
                           int64_t end, int64_t m, int64_t r) {
-  update_rows<T, kStreams>(e, g, p, p_row, p_col, qt, begin, end, m, r);
-  stream_fence();  // the streaming stores are visible before anything after this call
+  update_rows<T>(e, g, p, p_row, p_col, qt, begin, end, m, r);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -248,8 +198,7 @@ template <typename T>
 __attribute__((target("avx2,fma"))) void update_rows_fma(T* e, T* g, const T* p, int64_t p_row, int64_t p_col,
                                                          const T* qt, int64_t begin, int64_t end, int64_t m,
                                                          int64_t r) {
-  update_rows<T, kStreams>(e, g, p, p_row, p_col, qt, begin, end, m, r);
-  stream_fence();
+  update_rows<T>(e, g, p, p_row, p_col, qt, begin, end, m, r);
 }
 bool has_fma() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");

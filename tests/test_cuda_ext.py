@@ -412,8 +412,12 @@ def test_powersgd_fused_passes_refuse_bad_operands(cpu_ext):
         module.powersgd_form_a_and_p_(e, g, torch.zeros(2, 5), p, 1.0)
     with pytest.raises(ValueError, match="g must have e's dtype torch.float32, got torch.float64"):
         module.powersgd_apply_update_(e, g.double(), p, qt)
-    with pytest.raises(ValueError, match="e and g share memory"):
+    with pytest.raises(ValueError, match="e and g share memory; e is written"):
         module.powersgd_apply_update_(e, e, p, qt)
+    with pytest.raises(ValueError, match="g and qt share memory; g is written"):
+        module.powersgd_apply_update_(e, g, p, g[:2])
+    with pytest.raises(ValueError, match="p and g share memory; p is written"):
+        module.powersgd_form_a_and_p_(e, g, qt, g[:, :2], 1.0)
     with pytest.raises(ValueError, match="e, g and qt must be contiguous"):
         module.powersgd_form_a_and_p_(torch.zeros(6, 4).t(), g, qt, p, 1.0)
     with pytest.raises(ValueError, match=r"p must be n x r = \(4, 2\)"):

@@ -14,7 +14,10 @@
 
 #include <ATen/MemoryOverlap.h>
 
+#include <algorithm>
 #include <cctype>
+#include <cstdint>
+#include <initializer_list>
 #include <cmath>
 #include <sstream>
 #include <string>
@@ -140,9 +143,28 @@ void orthogonalize_batches_(const std::vector<at::Tensor>& batches, double epsil
 }
 
 // PowerSGD's fused CPU passes: e and g (n x m) and qt (r x m) contiguous, p (n x r),
-// one floating dtype of float32/float64, all on the CPU, e not sharing memory with the others.
-void check_powersgd_operands(const at::Tensor& e, const at::Tensor& g, const at::Tensor& p, const at::Tensor& qt) {
-  const std::pair<const char*, const at::Tensor*> operands[] = {{"e", &e}, {"g", &g}, {"p", &p}, {"qt", &qt}};
+// one floating dtype of float32/float64, all on the CPU; an operand the pass writes
+// (`written`: e and p when forming, e and g in the update) shares no memory with another.
+using Operand = std::pair<const char*, const at::Tensor*>;
+
+// Whether the bytes from a's first to its last element and b's meet (any strides, so
+// also two interleaved views: the passes take plain matrices, a conservative test is enough).
+bool byte_ranges_meet(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  auto range = [](const at::Tensor& t) {
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const auto first = reinterpret_cast<uintptr_t>(t.data_ptr());
+    return std::make_pair(first, first + static_cast<uintptr_t>((last + 1) * t.element_size()));
+  };
+  const auto [a_first, a_end] = range(a);
+  const auto [b_first, b_end] = range(b);
+  return a_first < b_end && b_first < a_end;
+}
+
+void check_powersgd_operands(const at::Tensor& e, const at::Tensor& g, const at::Tensor& p, const at::Tensor& qt,
+                             std::initializer_list<const char*> written) {
+  const Operand operands[] = {{"e", &e}, {"g", &g}, {"p", &p}, {"qt", &qt}};
   for (const auto& [name, t] : operands) {
     TORCH_CHECK_VALUE(t->defined() && t->dim() == 2, name, " must be a 2-D tensor, got ",
                       t->defined() ? std::to_string(t->dim()) + "-D" : std::string("an undefined"), " tensor");
@@ -158,27 +180,27 @@ void check_powersgd_operands(const at::Tensor& e, const at::Tensor& g, const at:
                     " (e's columns), got shape ", python_shape(qt));
   TORCH_CHECK_VALUE(p.size(0) == e.size(0) && p.size(1) == qt.size(0), "p must be n x r = (", e.size(0), ", ",
                     qt.size(0), "), got shape ", python_shape(p));
-  for (const auto& [name, t] : operands) {
-    if (t == &e || t->numel() == 0 || e.numel() == 0) continue;
-    const auto status = at::get_overlap_status(e, *t);
-    TORCH_CHECK_VALUE(status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial, "e and ", name,
-                      " share memory; e is written in place");
-  }
   TORCH_CHECK_VALUE(at::has_internal_overlap(p) != at::MemOverlap::Yes, "p has elements that share memory");
+  for (const char* out : written) {
+    const at::Tensor& w = *std::find_if(std::begin(operands), std::end(operands), [&](const Operand& o) {
+                             return std::string(o.first) == out;
+                           })->second;
+    for (const auto& [name, t] : operands) {
+      if (t == &w) continue;
+      TORCH_CHECK_VALUE(!byte_ranges_meet(w, *t), out, " and ", name, " share memory; ", out, " is written");
+    }
+  }
 }
 
 void powersgd_form_a_and_p_(const at::Tensor& e, const at::Tensor& g, const at::Tensor& qt, const at::Tensor& p,
                             double decay) {
-  check_powersgd_operands(e, g, p, qt);
+  check_powersgd_operands(e, g, p, qt, {"e", "p"});
   if (e.numel() == 0) return;
   powersgd_form_a_and_p_cpu(e, g, qt, p, decay);
 }
 
 void powersgd_apply_update_(const at::Tensor& e, const at::Tensor& g, const at::Tensor& p, const at::Tensor& qt) {
-  check_powersgd_operands(e, g, p, qt);
-  const auto status = g.numel() && p.numel() ? at::get_overlap_status(g, p) : at::MemOverlapStatus::No;
-  TORCH_CHECK_VALUE(status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial,
-                    "g and p share memory; g is written");
+  check_powersgd_operands(e, g, p, qt, {"e", "g"});
   if (e.numel() == 0) return;
   powersgd_apply_update_cpu(e, g, p, qt);
 }

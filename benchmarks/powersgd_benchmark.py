@@ -17,7 +17,7 @@ same gradients; the median time per step (every bucket), the three interleaved s
 step, after warm-up steps, at every rank of ``--ranks`` (1,2,4,8) in one run. On CPU a
 step's time is this process's CPU time (``time.process_time``, so the time slices that a
 shared machine gives to other jobs count for neither side), and cuda_ext's CPU module is
-loaded first, built the first time (1-3 minutes; ``--no-cuda-ext`` measures without it),
+loaded first, built the first time (1-5 minutes on 2 cores; ``--no-cuda-ext`` measures without it),
 as a user gets it after ``orthogonalization.prepare("householder", "cpu")``. On CUDA a
 step's time is wall time, each timed step ending with ``torch.cuda.synchronize()`` (ours
 queues its work without waiting; torch's hook waits inside). The header names the
@@ -345,7 +345,7 @@ def main(argv=None) -> int:
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP-like bucket size in MB (0: one bucket)")
     parser.add_argument("--no-cuda-ext", dest="cuda_ext", action="store_false",
                         help="on CPU, do not load cuda_ext's CPU module (by default it is loaded, built the first "
-                             "time: 1-3 minutes; our step then takes its orthogonalization and fused passes)")
+                             "time: 1-5 minutes on 2 cores; our step then takes its orthogonalization and fused passes)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

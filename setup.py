@@ -24,7 +24,7 @@ def compiled_extensions():
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
     csrc = os.path.join("cuda_ext", "csrc")
-    cpu_sources = [os.path.join(csrc, s) for s in ("bindings.cpp", "orthogonalize_cpu.cpp")]
+    cpu_sources = [os.path.join(csrc, s) for s in ("bindings.cpp", "orthogonalize_cpu.cpp", "powersgd_cpu.cpp")]
     modules = []
     if wanted != "cuda":
         modules.append(CppExtension("cuda_ext._orthogonalize_cpu", cpu_sources,

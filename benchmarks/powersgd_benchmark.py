@@ -14,10 +14,18 @@ the algorithm and the DDP hook call it) and by torch's ``powerSGD_hook`` (called
 a bucket object that has the methods it uses; also with
 ``batch_tensors_with_same_shape=True``), all with error feedback and warm start, on the
 same gradients; the median time per step (every bucket), the three interleaved step by
-step, after warm-up steps, at every rank of ``--ranks`` (1,2,4,8) in one run. On CUDA
-each timed step ends with ``torch.cuda.synchronize()`` (ours queues its work without
-waiting; torch's hook waits inside). The header names the device and the
-orthogonalization "auto" resolved to.
+step, after warm-up steps, at every rank of ``--ranks`` (1,2,4,8) in one run. On CPU a
+step's time is this process's CPU time (``time.process_time``, so the time slices that a
+shared machine gives to other jobs count for neither side), and cuda_ext's CPU module is
+loaded first, built the first time (1-5 minutes on 2 cores; ``--no-cuda-ext`` measures without it),
+as a user gets it after ``orthogonalization.prepare("householder", "cpu")``. On CUDA a
+step's time is wall time, each timed step ending with ``torch.cuda.synchronize()`` (ours
+queues its work without waiting; torch's hook waits inside). The header names the
+device, the orthogonalization "auto" resolved to and whether the fused CPU passes ran;
+the last column gives the median page faults per step of each side (torch's hook
+allocates tensors of the bucket's size every step; when the allocator hands it freshly
+mapped memory, the kernel zeroes those pages on first touch, which is the slow mode of
+torch's bimodal time).
 
 (c) The bytes of every tensor the algorithm holds between steps (bucket state: error
 buffer, Q's, generator state), against the model's parameter bytes, after a few steps
@@ -175,7 +183,8 @@ def bench_compress(ranks, steps: int, warmup: int, device="cpu", model_name: str
         med = _median_seconds(runs, flats, steps, warmup, device)
         rows.append({"rank": rank, "ours_ms": 1e3 * med["ours"], "torch_ms": 1e3 * med["torch"],
                      "ratio": med["ours"] / med["torch"], "torch_batched_ms": 1e3 * med["torch_batched"],
-                     "ratio_batched": med["ours"] / med["torch_batched"], "buckets": len(buckets)})
+                     "ratio_batched": med["ours"] / med["torch_batched"], "buckets": len(buckets),
+                     "faults": (med["ours_faults"], med["torch_faults"], med["torch_batched_faults"])})
     return rows
 
 
@@ -238,15 +247,24 @@ def _torch_hook(buckets, flats, rank: int, batched: bool):
 
 def _median_seconds(runs, flats, steps: int, warmup: int, device) -> dict:
     """The median seconds per step of each (name, step, buffers) of ``runs``, interleaved
-    step by step; each step starts from the same gradients (``flats``). On CUDA each
-    timed step ends with a synchronize."""
+    step by step; each step starts from the same gradients (``flats``), and the median
+    page faults per step (``name + "_faults"``).
+
+    On CPU a step's time is the CPU time of this process (``time.process_time``: every
+    thread of it, gloo's too, and the kernel's work for it, such as the page faults of
+    fresh allocations), so the time slices a shared machine gives to other processes
+    are not counted to either side; with one torch thread a step is one thread's work
+    plus the collectives. On CUDA it is wall time, each timed step ending with a
+    synchronize."""
     on_cuda = device.type == "cuda"
+    clock = time.perf_counter if on_cuda else time.process_time
 
     def sync():
         if on_cuda:
             torch.cuda.synchronize(device)
 
     times = {name: [] for name, _, _ in runs}
+    faults = {name: [] for name, _, _ in runs}
     guard = guard_cuda_synchronize_for_cpu() if device.type == "cpu" else contextlib.nullcontext()
     with guard:
         for i in range(warmup + steps):
@@ -254,12 +272,25 @@ def _median_seconds(runs, flats, steps: int, warmup: int, device) -> dict:
                 for buffer, flat in zip(buffers, flats):
                     buffer.copy_(flat)
                 sync()
-                started = time.perf_counter()
+                faults_before = _page_faults()
+                started = clock()
                 step()
                 sync()
                 if i >= warmup:
-                    times[name].append(time.perf_counter() - started)
-    return {name: statistics.median(values) for name, values in times.items()}
+                    times[name].append(clock() - started)
+                    faults[name].append(_page_faults() - faults_before)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    medians.update({f"{name}_faults": statistics.median(values) for name, values in faults.items()})
+    return medians
+
+
+def _page_faults() -> int:
+    """Page faults of this process so far (minor and major): a step that touches freshly
+    mapped memory (a large tensor allocated anew) pays the kernel to zero its pages."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt + usage.ru_majflt
 
 
 def bench_memory(steps: int) -> list[dict]:
@@ -312,6 +343,9 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--model", default="cifar_resnet18", choices=("cifar_resnet18", "resnet50"))
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP-like bucket size in MB (0: one bucket)")
+    parser.add_argument("--no-cuda-ext", dest="cuda_ext", action="store_false",
+                        help="on CPU, do not load cuda_ext's CPU module (by default it is loaded, built the first "
+                             "time: 1-5 minutes on 2 cores; our step then takes its orthogonalization and fused passes)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -336,7 +370,9 @@ def _report(args, device) -> None:
 
         ranks = [int(r) for r in args.ranks.split(",")]
         started = time.perf_counter()
-        method = orthogonalization.prepare("auto", device)  # builds cuda_ext the first time
+        if args.cuda_ext and device.type == "cpu":  # "auto" never builds it on CPU: built here the first time
+            orthogonalization.prepare("householder", device)
+        method = orthogonalization.prepare("auto", device)  # on GPUs: builds cuda_ext the first time
         prepare_s = time.perf_counter() - started
         if method == "householder":
             import cuda_ext
@@ -345,15 +381,21 @@ def _report(args, device) -> None:
         for_r1 = orthogonalization._resolve("auto", {device}, 1)
         if not method.startswith(for_r1):
             method = f"{method} for r >= 2, {for_r1} for r = 1"
+        if device.type == "cpu":
+            from bagua_algos.compression import powersgd as psgd
+
+            method += f"; fused CPU passes {'on' if psgd._fused_cpu_passes() is not None else 'off'}"
         rows = bench_compress(ranks, args.steps, args.warmup, device, args.model, args.bucket_mb)
         print(f"device: {describe_device(device)}; torch {torch.__version__}; {args.model} gradients in "
               f"{rows[0]['buckets']} bucket(s) of <= {args.bucket_mb:g} MB; our orthogonalization auto = {method} "
               f"(prepared in {prepare_s:.2f} s); "
               f"median of {args.steps} steps after {args.warmup}")
-        print("rank  ours ms   torch ms  ours/torch  torch batched ms  ours/torch batched")
+        print("rank  ours ms   torch ms  ours/torch  torch batched ms  ours/torch batched  "
+              "page faults/step (ours, torch, batched)")
         for row in rows:
             print(f"{row['rank']:>4}  {row['ours_ms']:8.2f}  {row['torch_ms']:8.2f}  {row['ratio']:10.3f}  "
-                  f"{row['torch_batched_ms']:16.2f}  {row['ratio_batched']:18.3f}")
+                  f"{row['torch_batched_ms']:16.2f}  {row['ratio_batched']:18.3f}  "
+                  f"{' / '.join(f'{f:g}' for f in row['faults'])}")
     else:
         print("error_in_grad  held MB  model MB  held/model  transient MB (op → optimizer.step)  transient/model")
         for row in bench_memory(args.steps):

@@ -8,6 +8,7 @@ no C++ compiler."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -379,6 +380,77 @@ def test_orthogonalization_householder_uses_the_extension(cpu_ext):
     batches = [torch.stack([inputs[0], inputs[2]]), inputs[1].unsqueeze(0).clone()]
     orthogonalization.orthogonalize_batches_(batches, "auto")
     assert torch.equal(batches[0][1], direct[2]) and torch.equal(batches[1][0], direct[1])
+
+
+# --- PowerSGD's fused CPU passes (csrc/powersgd_cpu.cpp) --------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_powersgd_fused_passes_match_the_formulas(cpu_ext, dtype):
+    """A = G + λE into E with P = A·Q, then G ← P·Qᵀ and E ← A − P·Qᵀ, against torch's
+    formulas: ranks of one sweep (1, 3), of exactly 8 columns, and of two sweeps (11);
+    rows with a vector tail (m = 37, 50); a strided P (a transposed view)."""
+    module = _loader.loaded_module("cpu")
+    generator = torch.Generator().manual_seed(5)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    for n, m, r, decay in [(5, 37, 1, 1.0), (16, 64, 3, 0.7), (9, 40, 8, 0.0), (7, 50, 11, 0.5)]:
+        e, g = (torch.randn(n, m, generator=generator, dtype=dtype) for _ in range(2))
+        q = torch.randn(m, r, generator=generator, dtype=dtype)
+        p = torch.empty(r, n, dtype=dtype).t() if r == 3 else torch.empty(n, r, dtype=dtype)
+        a = g + decay * e
+        module.powersgd_form_a_and_p_(e, g, q.t().contiguous(), p, decay)
+        torch.testing.assert_close(e, a, **tolerance)
+        torch.testing.assert_close(p, a @ q, **tolerance)
+        update = p @ q.t()
+        module.powersgd_apply_update_(e, g, p, q.t().contiguous())
+        torch.testing.assert_close(g, update, **tolerance)
+        torch.testing.assert_close(e, a - update, **tolerance)
+
+
+def test_powersgd_fused_passes_refuse_bad_operands(cpu_ext):
+    module = _loader.loaded_module("cpu")
+    e, g, qt, p = torch.zeros(4, 6), torch.zeros(4, 6), torch.zeros(2, 6), torch.zeros(4, 2)
+    with pytest.raises(ValueError, match="qt must be r x m with r >= 1 and m = 6"):
+        module.powersgd_form_a_and_p_(e, g, torch.zeros(2, 5), p, 1.0)
+    with pytest.raises(ValueError, match="g must have e's dtype torch.float32, got torch.float64"):
+        module.powersgd_apply_update_(e, g.double(), p, qt)
+    with pytest.raises(ValueError, match="e and g share memory; e is written"):
+        module.powersgd_apply_update_(e, e, p, qt)
+    with pytest.raises(ValueError, match="g and qt share memory; g is written"):
+        module.powersgd_apply_update_(e, g, p, g[:2])
+    with pytest.raises(ValueError, match="p and g share memory; p is written"):
+        module.powersgd_form_a_and_p_(e, g, qt, g[:, :2], 1.0)
+    with pytest.raises(ValueError, match="e, g and qt must be contiguous"):
+        module.powersgd_form_a_and_p_(torch.zeros(6, 4).t(), g, qt, p, 1.0)
+    with pytest.raises(ValueError, match=r"p must be n x r = \(4, 2\)"):
+        module.powersgd_form_a_and_p_(e, g, qt, torch.zeros(4, 3), 1.0)
+
+
+def test_powersgd_step_with_fused_passes_matches_the_torch_step(cpu_ext, monkeypatch):
+    """compress_aggregate with the fused passes (the module is loaded here) against the same
+    steps in torch ops, ranks 1 and 4, three steps: the updates and errors agree to rounding."""
+    from bagua_algos.compression import powersgd as psgd
+
+    assert psgd._fused_cpu_passes() is not None
+    shapes = [(8, 3, 3, 3), (8,), (16, 8), (16, 8), (12, 40)]
+    for rank in (1, 4):
+        plan = psgd.make_plan(shapes, rank, 1.0)
+        states, flats = [psgd.init_state(plan, 3, torch.float32, "cpu", True) for _ in range(2)], []
+        generator = torch.Generator().manual_seed(rank)
+        for step in range(3):
+            flat = torch.randn(sum(math.prod(s) for s in shapes), generator=generator)
+            results = []
+            for fused, state in zip((True, False), states):
+                if not fused:
+                    monkeypatch.setattr(psgd, "_fused_cpu_passes", lambda: None)
+                grads, offset, buffer = [], 0, flat.clone()
+                for shape in shapes:
+                    grads.append(buffer[offset:offset + math.prod(shape)].view(shape))
+                    offset += math.prod(shape)
+                psgd.compress_aggregate(plan, grads, state, psgd.PowerSGDOptions(), lambda t: None)
+                results.append((buffer, state["error"].clone()))
+                monkeypatch.undo()
+            (fused_grads, fused_error), (torch_grads, torch_error) = results
+            torch.testing.assert_close(fused_grads, torch_grads, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(fused_error, torch_error, rtol=1e-5, atol=1e-5)
 
 
 # --- the fallback when the extension cannot be built -----------------------------------

@@ -62,8 +62,13 @@ GPU: no ``.item()``, no branch on a tensor's values, no blocking host copy.
 On CPU (one thread, memory-bound): the products are one ``torch.mm`` per matrix; A is
 formed matrix by matrix just before its P = A·Q, which then reads it from cache; and at
 r ≥ 2 the update is written to G first and subtracted from e, where MKL's small-k GEMM
-is the slow part (see :func:`_matmul`, :func:`_form_a_and_p`,
-:func:`_subtracts_written_update`; figures in docs/benchmarks.md, issue 27).
+is the slow part. Where cuda_ext's CPU module is loaded (it is never built here:
+``orthogonalization.prepare("householder", "cpu")`` builds and loads it), forming A with
+P = A·Q (r ≤ ``FUSED_FORM_MAX_RANK``) and the update G ← P·Qᵀ, e ← e − P·Qᵀ (every r)
+each run as one sweep over a matrix's rows, so the gradients' size crosses the memory
+bus fewer times; results agree with the torch ops to rounding (see :func:`_matmul`,
+:func:`_form_a_and_p`, :func:`_updates_matrix_by_matrix`, :func:`_fused_cpu_passes`;
+figures in docs/benchmarks.md, issue 27).
 
 Random draws (the initial Q's; every Q without warm start) come from a CPU generator
 seeded with ``seed`` and are then moved to the gradients' device, so one seed gives the
@@ -726,9 +731,13 @@ def _form_a_and_p(plan: BucketPlan, grads, state: dict, options: PowerSGDOptions
             addends.append(None)
     qs = [state["q"][step.spec.key] for step in steps]
     products = p_buffer([step.a for step in steps], qs, extra)
+    fused = _fused_cpu_passes()
     for step, g, q, p in zip(steps, addends, qs, products[1]):
         if g is not None and not _batched(step.a):
             for a_j, g_j, q_j, p_j in zip(step.error.list, g.list, q.unbind(0), p.unbind(0)):
+                if fused is not None and q_j.shape[-1] <= FUSED_FORM_MAX_RANK and g_j.is_contiguous():
+                    fused.powersgd_form_a_and_p_(a_j, g_j, q_j.t().contiguous(), p_j, decay)
+                    continue
                 torch.add(g_j, a_j, alpha=decay, out=a_j)
                 compute_p(a_j, q_j, out=p_j)
             continue
@@ -761,12 +770,18 @@ def _apply_update(groups: List[_GroupStep], factors: Factors, out, options: Powe
     the error's storage, else computed in A and copied), and the update P·Qᵀ is written
     to the gradients, or with ``error_in_grad`` to ``out`` (the gradients then hold the
     error, or zeros without error feedback)."""
+    fused = _fused_cpu_passes()
     for group, p, q in zip(groups, factors.p, factors.q):
-        if _subtracts_written_update(group, p, options):
-            # G ← P·Qᵀ, then e ← e − G, matrix by matrix while G is still in cache
+        if _updates_matrix_by_matrix(group, p, options):
             for a_j, g_j, p_j, q_j in zip(group.a.unbind(0), group.grads.list, p.unbind(0), q.unbind(0)):
-                reconstruct(p_j, q_j, out=g_j)
-                a_j.sub_(g_j)
+                if fused is not None and g_j.is_contiguous():  # G ← P·Qᵀ and e ← e − P·Qᵀ in one sweep
+                    fused.powersgd_apply_update_(a_j, g_j, p_j, q_j.t().contiguous())
+                elif p_j.shape[-1] >= 2:  # G ← P·Qᵀ, then e ← e − G while G is still in cache
+                    reconstruct(p_j, q_j, out=g_j)
+                    a_j.sub_(g_j)
+                else:  # r = 1: e ← e − P·Qᵀ in addmm_, then G ← P·Qᵀ
+                    a_j.addmm_(p_j, q_j.t(), alpha=-1.0)
+                    reconstruct(p_j, q_j, out=g_j)
             continue
         if group.error is not None:
             subtract_reconstruction_(group.a, p, q)
@@ -780,15 +795,36 @@ def _apply_update(groups: List[_GroupStep], factors: Factors, out, options: Powe
             group.grads.write_reconstruction(p, q)
 
 
-def _subtracts_written_update(group: _GroupStep, p: torch.Tensor, options: PowerSGDOptions) -> bool:
-    """Whether step 5 writes G ← P·Qᵀ first and then subtracts G from e (A's storage)
-    instead of recomputing the product in ``addmm_``: on CPU at r ≥ 2, where MKL's
-    GEMM with so few inner terms is slower than reading G again (r = 4, 8: about
-    7 ms against 4.5 ms for ResNet-18's matrices, one thread); not at r = 1, where
-    ``addmm_`` is the faster. Needs A in the error buffer and gradients written
-    directly (the compute dtype)."""
-    return (not _batched(p) and p.shape[-1] >= 2 and not options.error_in_grad and group.error is not None
+def _updates_matrix_by_matrix(group: _GroupStep, p: torch.Tensor, options: PowerSGDOptions) -> bool:
+    """Whether step 5 runs matrix by matrix on CPU, writing G ← P·Qᵀ and e ← A − P·Qᵀ
+    with A in the error buffer (not ``error_in_grad``; gradients in the compute dtype,
+    written directly): in one sweep of the rows where cuda_ext's CPU module is loaded
+    (:func:`_fused_cpu_passes`); else at r ≥ 2 G first and then e ← e − G, where MKL's
+    GEMM with so few inner terms is slower than reading G again (r = 4, 8: about 7 ms
+    against 4.5 ms for ResNet-18's matrices, one thread), and at r = 1 ``addmm_`` into
+    e and then G, the faster order there."""
+    return (not _batched(p) and not options.error_in_grad and group.error is not None
             and group.a is group.error.batch and group.grads.list[0].dtype == p.dtype)
+
+
+FUSED_FORM_MAX_RANK = 2
+"""The highest rank at which step 3 takes the fused CPU pass (A and P = A·Q in one sweep
+of the rows); above it the pass's r dot products per row cost more than MKL's product
+reading A again from cache (docs/benchmarks.md, issue 27)."""
+
+
+def _fused_cpu_passes():
+    """cuda_ext's compiled CPU module when something has loaded it in this process and it
+    has PowerSGD's fused passes (``powersgd_form_a_and_p_``, ``powersgd_apply_update_``,
+    cuda_ext/csrc/powersgd_cpu.cpp), else None. Never builds it: as for the
+    orthogonalization (see :mod:`.orthogonalization`), a first build takes minutes, and
+    ``orthogonalization.prepare("householder", "cpu")`` is how a user loads it."""
+    try:
+        from cuda_ext import _loader  # a top-level package of this project
+    except ImportError:
+        return None
+    module = _loader.loaded_module("cpu")
+    return module if hasattr(module, "powersgd_apply_update_") else None
 
 
 def _host_copy(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:

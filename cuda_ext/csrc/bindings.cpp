@@ -2,16 +2,22 @@
 //
 //   orthogonalize(matrices, epsilon) -> list of Q factors (new tensors)
 //   orthogonalize_batches_(batches, epsilon) -> None (each b x m x r batch in place)
+//   powersgd_form_a_and_p_(e, g, qt, p, decay) -> None   (CPU only, powersgd_cpu.cpp)
+//   powersgd_apply_update_(e, g, p, qt) -> None          (CPU only, powersgd_cpu.cpp)
 //
 // Both check everything first (check_epsilon, check_matrices / check_batches), then
 // dispatch on the device, so a bad input is the same ValueError on every device and
 // nothing is launched or allocated for it. cuda_ext/__init__.py has the same checks
 // in Python with the same words (tests/test_cuda_ext.py compares them).
 #include "orthogonalize.h"
+#include "powersgd_cpu.h"
 
 #include <ATen/MemoryOverlap.h>
 
+#include <algorithm>
 #include <cctype>
+#include <cstdint>
+#include <initializer_list>
 #include <cmath>
 #include <sstream>
 #include <string>
@@ -136,6 +142,69 @@ void orthogonalize_batches_(const std::vector<at::Tensor>& batches, double epsil
   dispatch(jobs, batches[0].device(), epsilon);
 }
 
+// PowerSGD's fused CPU passes: e and g (n x m) and qt (r x m) contiguous, p (n x r),
+// one floating dtype of float32/float64, all on the CPU; an operand the pass writes
+// (`written`: e and p when forming, e and g in the update) shares no memory with another.
+using Operand = std::pair<const char*, const at::Tensor*>;
+
+// Whether the bytes from a's first to its last element and b's meet (any strides, so
+// also two interleaved views: the passes take plain matrices, a conservative test is enough).
+bool byte_ranges_meet(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  auto range = [](const at::Tensor& t) {
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const auto first = reinterpret_cast<uintptr_t>(t.data_ptr());
+    return std::make_pair(first, first + static_cast<uintptr_t>((last + 1) * t.element_size()));
+  };
+  const auto [a_first, a_end] = range(a);
+  const auto [b_first, b_end] = range(b);
+  return a_first < b_end && b_first < a_end;
+}
+
+void check_powersgd_operands(const at::Tensor& e, const at::Tensor& g, const at::Tensor& p, const at::Tensor& qt,
+                             std::initializer_list<const char*> written) {
+  const Operand operands[] = {{"e", &e}, {"g", &g}, {"p", &p}, {"qt", &qt}};
+  for (const auto& [name, t] : operands) {
+    TORCH_CHECK_VALUE(t->defined() && t->dim() == 2, name, " must be a 2-D tensor, got ",
+                      t->defined() ? std::to_string(t->dim()) + "-D" : std::string("an undefined"), " tensor");
+    TORCH_CHECK_VALUE(t->device().is_cpu(), name, " must be on the CPU, got a tensor on ", t->device());
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat || t->scalar_type() == at::kDouble, name,
+                      " must be float32 or float64, got ", python_dtype(t->scalar_type()));
+    TORCH_CHECK_VALUE(t->scalar_type() == e.scalar_type(), name, " must have e's dtype ", python_dtype(e.scalar_type()),
+                      ", got ", python_dtype(t->scalar_type()));
+  }
+  TORCH_CHECK_VALUE(e.is_contiguous() && g.is_contiguous() && qt.is_contiguous(), "e, g and qt must be contiguous");
+  TORCH_CHECK_VALUE(g.sizes() == e.sizes(), "g must have e's shape ", python_shape(e), ", got ", python_shape(g));
+  TORCH_CHECK_VALUE(qt.size(0) >= 1 && qt.size(1) == e.size(1), "qt must be r x m with r >= 1 and m = ", e.size(1),
+                    " (e's columns), got shape ", python_shape(qt));
+  TORCH_CHECK_VALUE(p.size(0) == e.size(0) && p.size(1) == qt.size(0), "p must be n x r = (", e.size(0), ", ",
+                    qt.size(0), "), got shape ", python_shape(p));
+  TORCH_CHECK_VALUE(at::has_internal_overlap(p) != at::MemOverlap::Yes, "p has elements that share memory");
+  for (const char* out : written) {
+    const at::Tensor& w = *std::find_if(std::begin(operands), std::end(operands), [&](const Operand& o) {
+                             return std::string(o.first) == out;
+                           })->second;
+    for (const auto& [name, t] : operands) {
+      if (t == &w) continue;
+      TORCH_CHECK_VALUE(!byte_ranges_meet(w, *t), out, " and ", name, " share memory; ", out, " is written");
+    }
+  }
+}
+
+void powersgd_form_a_and_p_(const at::Tensor& e, const at::Tensor& g, const at::Tensor& qt, const at::Tensor& p,
+                            double decay) {
+  check_powersgd_operands(e, g, p, qt, {"e", "p"});
+  if (e.numel() == 0) return;
+  powersgd_form_a_and_p_cpu(e, g, qt, p, decay);
+}
+
+void powersgd_apply_update_(const at::Tensor& e, const at::Tensor& g, const at::Tensor& p, const at::Tensor& qt) {
+  check_powersgd_operands(e, g, p, qt, {"e", "g"});
+  if (e.numel() == 0) return;
+  powersgd_apply_update_cpu(e, g, p, qt);
+}
+
 }  // namespace
 
 MatrixDesc describe(const at::Tensor& input, const at::Tensor& output) {
@@ -175,6 +244,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("orthogonalize_batches_", &bagua_householder::orthogonalize_batches_,
         "Each matrix of each b x m x r batch replaced by its Q factor, in place (one launch on CUDA)",
         pybind11::arg("batches"), pybind11::arg("epsilon"));
+  m.def("powersgd_form_a_and_p_", &bagua_householder::powersgd_form_a_and_p_,
+        "PowerSGD on CPU: A = G + decay E written into E and P = A Q (qt = Q^T), in one sweep of the rows",
+        pybind11::arg("e"), pybind11::arg("g"), pybind11::arg("qt"), pybind11::arg("p"), pybind11::arg("decay"));
+  m.def("powersgd_apply_update_", &bagua_householder::powersgd_apply_update_,
+        "PowerSGD on CPU: U = P Q^T written into G and E <- E - U (qt = Q^T), in one sweep of the rows",
+        pybind11::arg("e"), pybind11::arg("g"), pybind11::arg("p"), pybind11::arg("qt"));
 #ifdef BAGUA_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

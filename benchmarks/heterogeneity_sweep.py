@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "with processes each worker on GPU LOCAL_RANK over NCCL, so --workers at most the GPU count")
     p.add_argument("--jobs", type=positive_int, default=None,
                    help="runs of --engine sim trained at a time, each in a process of its own forked from this one "
-                        "(default: the idle CPUs (those this process may use, less the load average) divided by "
+                        "(default: the idle CPUs (those this process may use, less those busy over a 0.25 s sample; else the load average) divided by "
                         "--threads, at most the number of runs, lowered to fit memory; 1 with --device cuda). The "
                         "results are the same for any value")
     p.add_argument("--threads", type=positive_int, default=1,
@@ -188,14 +188,43 @@ def choose_engine(parser, args) -> None:
                          f"one GPU), at most {gpus} workers, or --device cpu")
 
 
-def idle_cpus() -> int:
-    """The CPUs this process may use, less the machine's load (the last minute's load
-    average, rounded): runs in parallel gain only from cores nobody else keeps busy (on
-    the 2-core machine at a load of 9-14, two runs at a time took 0.8-2x the wall time
-    of one at a time; docs/benchmarks.md)."""
+def idle_cpus(sample_s: float = 0.25) -> int:
+    """The CPUs this process may use, less those the machine keeps busy now, rounded:
+    runs in parallel gain only from cores nobody else keeps busy (on the 2-core machine
+    at a load of 9-14, two runs at a time took 0.8-2x the wall time of one at a time;
+    docs/benchmarks.md). "Now" is the last ``sample_s`` seconds of /proc/stat
+    (:func:`busy_cpus`); where that cannot be read, the last minute's load average, which
+    lags: right after a heavy command (an install, the processes engine) it still counts
+    that command's load on an idle machine."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    return max(1, min(cpus, round(cpus - load)))
+    busy = busy_cpus(sample_s)
+    if busy is None:
+        busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return max(1, min(cpus, round(cpus - busy)))
+
+
+def busy_cpus(sample_s: float, stat_path: str = "/proc/stat") -> float | None:
+    """How many of the machine's CPUs were busy, on average, over the next ``sample_s``
+    seconds: 1 − idle / total of the jiffies on /proc/stat's first line (idle and iowait
+    count as idle), times the CPU count; None where the file cannot be read or parsed."""
+
+    def jiffies() -> tuple:
+        with open(stat_path) as f:
+            fields = f.readline().split()
+        if not fields or fields[0] != "cpu" or len(fields) < 5:
+            raise ValueError(f"{stat_path}: no aggregate cpu line")
+        values = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+        return sum(values), values[3] + values[4]
+
+    try:
+        total0, idle0 = jiffies()
+        time.sleep(sample_s)
+        total1, idle1 = jiffies()
+    except (OSError, ValueError):
+        return None
+    if total1 <= total0:
+        return None
+    return (1.0 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1)
 
 
 def choose_jobs(parser, args) -> None:

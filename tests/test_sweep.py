@@ -181,3 +181,25 @@ def test_resume_trains_only_the_runs_not_yet_in_the_log(tmp_path):
     other = run_sweep("--configs", more, "--resume", *[a if a != "1" else "2" for a in common], timeout=60)
     assert other.returncode == 2 and "argument --resume:" in other.stderr
     assert "epochs 1 there, 2 now" in other.stderr
+
+
+def test_idle_cores_are_counted_now_not_from_the_lagging_load_average(tmp_path, monkeypatch):
+    """--jobs' default: the CPUs busy over a short sample of /proc/stat where it can be
+    read (a fraction of the machine's CPUs), else the load average."""
+    import os
+
+    from benchmarks import heterogeneity_sweep as sweep
+
+    if os.path.isfile("/proc/stat"):
+        busy = sweep.busy_cpus(0.05)
+        assert busy is not None and 0.0 <= busy <= (os.cpu_count() or 1) + 1e-9
+    assert sweep.busy_cpus(0.0, str(tmp_path / "missing")) is None
+    bad = tmp_path / "stat"
+    bad.write_text("intr 1 2 3\n")
+    assert sweep.busy_cpus(0.0, str(bad)) is None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    monkeypatch.setattr(sweep, "busy_cpus", lambda sample_s: 0.0)
+    monkeypatch.setattr(os, "getloadavg", lambda: (50.0, 50.0, 50.0))  # a lagging average is not read
+    assert sweep.idle_cpus() == cpus
+    monkeypatch.setattr(sweep, "busy_cpus", lambda sample_s: None)
+    assert sweep.idle_cpus() == 1  # the load average, where /proc/stat cannot be read

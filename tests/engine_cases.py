@@ -131,3 +131,21 @@ def stacked(world, name, kwargs):
         state = engine.model.worker_state(i)
         rows.append(torch.cat([state[n].reshape(-1) for n in names]))
     return torch.stack(rows)
+
+
+class GradientProbe(torch.nn.Module):
+    """Σ_p <p, g_p> over parameters of the given ``shapes`` (drawn from ``seed``): the
+    gradient of each parameter is exactly its slice of the input ``g`` (a flat vector in
+    registration order), so every form reduces the gradients a test chooses."""
+
+    def __init__(self, shapes, seed: int):
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s, generator=generator)) for s in shapes)
+
+    def forward(self, g):
+        out, offset = 0.0, 0
+        for p in self.weights:
+            out = out + (p * g[offset:offset + p.numel()].view(p.shape)).sum()
+            offset += p.numel()
+        return out

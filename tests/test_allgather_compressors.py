@@ -14,6 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import engine_cases
+
 from bagua_algos.algorithms import AtomoAlgorithm, SignNormAlgorithm, SignumAlgorithm, TopKAlgorithm
 from bagua_algos.compression.atomo import AtomoCodec, atomo_probabilities, sample_exactly
 from bagua_algos.compression.signs import MajorityVoteCodec, SignNormCodec, pack_signs, unpack_signs
@@ -212,20 +214,9 @@ CASES = [
 ]
 
 
-class Probe(torch.nn.Module):
-    """Σ_p <p, g_p>: the gradient of each parameter is its slice of the input ``g``."""
-
-    def __init__(self):
-        super().__init__()
-        gen = torch.Generator().manual_seed(5)
-        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES)
-
-    def forward(self, g):
-        out, offset = 0.0, 0
-        for p in self.weights:
-            out = out + (p * g[offset:offset + p.numel()].view(p.shape)).sum()
-            offset += p.numel()
-        return out
+def probe():
+    """The probe module of these tests (its gradient is exactly its input)."""
+    return engine_cases.GradientProbe(SHAPES, seed=5)
 
 
 def gradients(step):
@@ -258,7 +249,7 @@ def gradients_for(name, step):
 def _train(rank, name, kwargs, ddp):
     from bagua_algos import Algorithm
 
-    net = Probe()
+    net = probe()
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     algorithm = Algorithm.init(name, **kwargs)
     if ddp:
@@ -295,7 +286,7 @@ def _resume(rank, name, kwargs, ddp):
     from bagua_algos import Algorithm
 
     def build():
-        net = Probe()
+        net = probe()
         opt = torch.optim.SGD(net.parameters(), lr=LR)
         algorithm = Algorithm.init(name, **kwargs)
         if ddp:
@@ -354,7 +345,7 @@ def oracle(name, kwargs):
     """The parameters after STEPS steps of SGD(lr) on the compressed updates, and the bytes
     a worker sends per step, from the seed's definitions (float64, loops)."""
     numels = [math.prod(s) for s in SHAPES]
-    x = torch.nn.utils.parameters_to_vector(Probe().parameters()).detach().double()
+    x = torch.nn.utils.parameters_to_vector(probe().parameters()).detach().double()
     if name == "atomo":  # rank-2 gradients: sent exactly, the update is the average
         for step in range(STEPS):
             x = x - LR * low_rank_gradients(step).double().mean(0)
@@ -413,7 +404,7 @@ def test_every_worker_matches_the_oracle(results, label, name, kwargs, ddp):
             assert bytes_last_step == sent_bytes
     if name == "atomo":
         return  # its oracle is the exact average (rank-2 gradients)
-    exact = torch.nn.utils.parameters_to_vector(Probe().parameters()).detach().double()
+    exact = torch.nn.utils.parameters_to_vector(probe().parameters()).detach().double()
     for step in range(STEPS):
         exact = exact - LR * gradients(step).double().mean(0)
     assert (expected - exact).abs().max() > 1e-2, "compression changed nothing: the check would be empty"

@@ -283,21 +283,9 @@ PROBE_CASES = [case for case in CASES if case[0] in QUANTIZED] + ALLGATHER_PROBE
 ATOMO_PROBE_RTOL = 1e-5
 
 
-class GradientProbe(torch.nn.Module):
-    """Σ_p <p, g_p>: its gradient is exactly the input ``g`` (a flat vector in
-    registration order), so both forms reduce the same gradients."""
-
-    def __init__(self):
-        super().__init__()
-        g = torch.Generator().manual_seed(1)
-        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s, generator=g)) for s in PROBE_SHAPES)
-
-    def forward(self, g):
-        out, offset = 0.0, 0
-        for p in self.weights:
-            out = out + (p * g[offset:offset + p.numel()].view(p.shape)).sum()
-            offset += p.numel()
-        return out
+def gradient_probe():
+    """The probe module (its gradient is exactly its input): both forms reduce the same gradients."""
+    return engine_cases.GradientProbe(PROBE_SHAPES, seed=1)
 
 
 def probe_gradients(step, world):
@@ -312,7 +300,7 @@ def probe_gradients(step, world):
 def probe_per_rank(rank, world, cases):
     out = {}
     for label, name, kwargs in cases:
-        net = GradientProbe()
+        net = gradient_probe()
         opt = engine_cases.optimizer(net.parameters())
         net = net.with_bagua([opt], engine_cases.build_algorithm(name, kwargs), bucket_size=PROBE_BUCKET_SIZE)
         for step in range(PROBE_STEPS):
@@ -327,7 +315,7 @@ def probe_per_rank(rank, world, cases):
 def probe_stacked(world, name, kwargs):
     from bagua_algos.engine import Engine
 
-    net = GradientProbe()
+    net = gradient_probe()
     engine = Engine(net, world, engine_cases.build_algorithm(name, kwargs), engine_cases.optimizer,
                     bucket_size=PROBE_BUCKET_SIZE)
     assert len(engine.model.layout.buckets) == 2

@@ -16,8 +16,44 @@ REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 120
 
 
+# Ports handed to launchers and stores come from below the kernel's ephemeral range, each
+# pytest-xdist worker from its own slice, taken in turn. A port from bind(("", 0)) is an
+# ephemeral one: once its test is over, the kernel hands it to the next listener, such as a
+# gloo pair in another test of a parallel run, and a client still retrying the old
+# rendezvous (an elastic node that lost its store) then connects into that group and breaks
+# its handshake ("Gloo connectFullMesh failed ... Connection closed by peer"). Below the
+# range, nothing but these tests binds the port, and no two workers share a slice.
+_LOWEST_PORT = 10000
+
+
+def _port_slice() -> range:
+    try:
+        first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768  # Linux's default
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0) % workers
+    size = (first_ephemeral - _LOWEST_PORT) // workers
+    return range(_LOWEST_PORT + worker * size, _LOWEST_PORT + (worker + 1) * size)
+
+
+_PORTS = _port_slice()
+_next_port = os.getpid() % max(1, len(_PORTS))
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port of this test process's slice that is free on every address right now."""
+    global _next_port
+    for _ in range(len(_PORTS)):
+        port = _PORTS[_next_port]
+        _next_port = (_next_port + 1) % len(_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the slice is all taken
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -75,7 +75,7 @@ def _run_one_node(tmp_path: Path, algorithm: str) -> list:
 @needs_netns
 @pytest.mark.parametrize("algorithm", ["gradient_allreduce", "decentralized_hierarchical"])
 def test_two_nodes_over_emulated_links_end_as_one_node(tmp_path, algorithm):
-    tag = f"bt{free_port() % 10000}"
+    tag = f"bt{free_port()}"
     two = _run_two_nodes(tmp_path, algorithm, tag)
     # only our own: other tests may build networks at the same time (pytest -n)
     assert not [ns for ns in _existing_namespaces() if ns.startswith(tag + "-")], "namespaces left behind"
@@ -92,7 +92,7 @@ def test_two_nodes_over_emulated_links_end_as_one_node(tmp_path, algorithm):
 def test_links_are_limited_and_everything_is_removed_on_failure():
     """A rate limit slows a bulk transfer between two nodes; an exception inside the
     context still removes every namespace."""
-    tag = f"bt{free_port() % 10000}"
+    tag = f"bt{free_port()}"
     with pytest.raises(RuntimeError, match="boom"):
         with EmulatedNetwork(nodes=2, rate="20mbit", tag=tag) as net:
             assert set(net.namespaces) | {net.switch} <= set(_existing_namespaces())
@@ -121,7 +121,7 @@ def test_sigterm_to_a_library_user_removes_namespaces_and_workers(tmp_path):
     """A script that uses EmulatedNetwork as a library (as network_sweep.py does), killed
     with SIGTERM while its job runs: its namespaces and its workers are gone after it.
     Before, only netem.py's own command line turned SIGTERM into the clean-up path."""
-    tag = f"bt{free_port() % 10000}"
+    tag = f"bt{free_port()}"
     marker = tmp_path / "started"
     script = tmp_path / "user.py"
     script.write_text(

@@ -385,13 +385,18 @@ def test_orthogonalization_householder_uses_the_extension(cpu_ext):
 # --- PowerSGD's fused CPU passes (csrc/powersgd_cpu.cpp) --------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_powersgd_fused_passes_match_the_formulas(cpu_ext, dtype):
-    """A = G + λE into E with P = A·Q, then G ← P·Qᵀ and E ← A − P·Qᵀ, against torch's
-    formulas: ranks of one sweep (1, 3), of exactly 8 columns, and of two sweeps (11);
-    rows with a vector tail (m = 37, 50); a strided P (a transposed view)."""
+    """A = G + λE into E with P = A·Q, Qᵀ = Pᵀ·A, then G ← P·Qᵀ and E ← A − P·Qᵀ, against
+    torch's formulas: ranks of one sweep (1, 3), of exactly 8 columns, and of two sweeps
+    (11); rows with a vector tail (m = 37, 50) and row counts that leave partial tiles
+    (5, 7, 9, 16 rows against tiles of 3, 4 and 8; 2500 columns: two blocks of Qᵀ at
+    r = 3); a strided P (a transposed view)."""
     module = _loader.loaded_module("cpu")
     generator = torch.Generator().manual_seed(5)
-    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
-    for n, m, r, decay in [(5, 37, 1, 1.0), (16, 64, 3, 0.7), (9, 40, 8, 0.0), (7, 50, 11, 0.5)]:
+    for n, m, r, decay in [(5, 37, 1, 1.0), (16, 64, 3, 0.7), (9, 40, 8, 0.0), (7, 50, 11, 0.5), (13, 2500, 3, 1.0)]:
+        # Sums of m products, rounded in another order than torch's: the absolute error
+        # grows with m (|P| is about √m here), so atol does too past 64 columns.
+        atol = (1e-5 if dtype == torch.float32 else 1e-12) * max(1.0, m / 64)
+        tolerance = dict(rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=atol)
         e, g = (torch.randn(n, m, generator=generator, dtype=dtype) for _ in range(2))
         q = torch.randn(m, r, generator=generator, dtype=dtype)
         p = torch.empty(r, n, dtype=dtype).t() if r == 3 else torch.empty(n, r, dtype=dtype)
@@ -399,6 +404,9 @@ def test_powersgd_fused_passes_match_the_formulas(cpu_ext, dtype):
         module.powersgd_form_a_and_p_(e, g, q.t().contiguous(), p, decay)
         torch.testing.assert_close(e, a, **tolerance)
         torch.testing.assert_close(p, a @ q, **tolerance)
+        qt = torch.full((r, m), float("nan"), dtype=dtype)
+        module.powersgd_transposed_product_(e, p, qt)  # Qᵀ = Pᵀ·A, blocks of columns
+        torch.testing.assert_close(qt, (a.t() @ p).t(), **tolerance)
         update = p @ q.t()
         module.powersgd_apply_update_(e, g, p, q.t().contiguous())
         torch.testing.assert_close(g, update, **tolerance)
@@ -422,6 +430,12 @@ def test_powersgd_fused_passes_refuse_bad_operands(cpu_ext):
         module.powersgd_form_a_and_p_(torch.zeros(6, 4).t(), g, qt, p, 1.0)
     with pytest.raises(ValueError, match=r"p must be n x r = \(4, 2\)"):
         module.powersgd_form_a_and_p_(e, g, qt, torch.zeros(4, 3), 1.0)
+    with pytest.raises(ValueError, match="a and qt must be contiguous"):
+        module.powersgd_transposed_product_(torch.zeros(6, 4).t(), p, qt)
+    with pytest.raises(ValueError, match="qt and a share memory; qt is written"):
+        module.powersgd_transposed_product_(e, p, e[:2])
+    with pytest.raises(ValueError, match="p must have a's dtype torch.float32, got torch.float64"):
+        module.powersgd_transposed_product_(e, p.double(), qt)
 
 
 def test_powersgd_step_with_fused_passes_matches_the_torch_step(cpu_ext, monkeypatch):

@@ -64,11 +64,11 @@ formed matrix by matrix just before its P = A·Q, which then reads it from cache
 r ≥ 2 the update is written to G first and subtracted from e, where MKL's small-k GEMM
 is the slow part. Where cuda_ext's CPU module is loaded (it is never built here:
 ``orthogonalization.prepare("householder", "cpu")`` builds and loads it), forming A with
-P = A·Q (r ≤ ``FUSED_FORM_MAX_RANK``) and the update G ← P·Qᵀ, e ← e − P·Qᵀ (every r)
-each run as one sweep over a matrix's rows, so the gradients' size crosses the memory
-bus fewer times; results agree with the torch ops to rounding (see :func:`_matmul`,
-:func:`_form_a_and_p`, :func:`_updates_matrix_by_matrix`, :func:`_fused_cpu_passes`;
-figures in docs/benchmarks.md, issue 27).
+P = A·Q (r ≤ ``FUSED_FORM_MAX_RANK``) and the update G ← P·Qᵀ, e ← e − P·Qᵀ
+(r ≤ ``FUSED_UPDATE_MAX_RANK``) each run as one sweep over a matrix's rows, so the
+gradients' size crosses the memory bus fewer times; results agree with the torch ops to
+rounding (see :func:`_matmul`, :func:`_form_a_and_p`, :func:`_updates_matrix_by_matrix`,
+:func:`_fused_cpu_passes`; figures in docs/benchmarks.md, issue 27).
 
 Random draws (the initial Q's; every Q without warm start) come from a CPU generator
 seeded with ``seed`` and are then moved to the gradients' device, so one seed gives the
@@ -305,8 +305,27 @@ def compute_p(a: torch.Tensor, q: torch.Tensor, out: Optional[torch.Tensor] = No
 
 
 def compute_q(a: torch.Tensor, p: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Q = Aᵀ·P: ``a`` [..., n, m], ``p`` [..., n, r] → [..., m, r] (into ``out`` if given)."""
-    return _matmul(a.transpose(-2, -1), p, out)
+    """Q = Aᵀ·P: ``a`` [..., n, m], ``p`` [..., n, r] → [..., m, r] (into ``out`` if given).
+    On CPU, where cuda_ext's module is loaded and r ≤ ``FUSED_Q_MAX_RANK``, each matrix's
+    product is its fused pass (Qᵀ = Pᵀ·A over blocks of columns, :func:`_fused_cpu_passes`)."""
+    fused = None if _batched(a) else _fused_cpu_passes()
+    if fused is None or p.shape[-1] > FUSED_Q_MAX_RANK or a.dtype not in (torch.float32, torch.float64):
+        return _matmul(a.transpose(-2, -1), p, out)
+    if out is None:
+        out = torch.empty(*a.shape[:-2], a.shape[-1], p.shape[-1], dtype=a.dtype)
+    r, m = p.shape[-1], a.shape[-1]
+    scratch = None  # Qᵀ of one matrix where Q's memory is not Qᵀ's (r ≥ 2)
+    for a_j, p_j, q_j in zip(_each_matrix(a), _each_matrix(p), _each_matrix(out)):
+        if not a_j.is_contiguous():
+            torch.mm(a_j.t(), p_j, out=q_j)
+        elif r == 1 and q_j.is_contiguous():
+            fused.powersgd_transposed_product_(a_j, p_j, q_j.view(1, m))
+        else:
+            if scratch is None:
+                scratch = torch.empty(r, m, dtype=a.dtype)
+            fused.powersgd_transposed_product_(a_j, p_j, scratch)
+            q_j.copy_(scratch.t())
+    return out
 
 
 def reconstruct(p: torch.Tensor, q: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -774,7 +793,8 @@ def _apply_update(groups: List[_GroupStep], factors: Factors, out, options: Powe
     for group, p, q in zip(groups, factors.p, factors.q):
         if _updates_matrix_by_matrix(group, p, options):
             for a_j, g_j, p_j, q_j in zip(group.a.unbind(0), group.grads.list, p.unbind(0), q.unbind(0)):
-                if fused is not None and g_j.is_contiguous():  # G ← P·Qᵀ and e ← e − P·Qᵀ in one sweep
+                if fused is not None and p_j.shape[-1] <= FUSED_UPDATE_MAX_RANK and g_j.is_contiguous():
+                    # G ← P·Qᵀ and e ← e − P·Qᵀ in one sweep
                     fused.powersgd_apply_update_(a_j, g_j, p_j, q_j.t().contiguous())
                 elif p_j.shape[-1] >= 2:  # G ← P·Qᵀ, then e ← e − G while G is still in cache
                     reconstruct(p_j, q_j, out=g_j)
@@ -799,18 +819,29 @@ def _updates_matrix_by_matrix(group: _GroupStep, p: torch.Tensor, options: Power
     """Whether step 5 runs matrix by matrix on CPU, writing G ← P·Qᵀ and e ← A − P·Qᵀ
     with A in the error buffer (not ``error_in_grad``; gradients in the compute dtype,
     written directly): in one sweep of the rows where cuda_ext's CPU module is loaded
-    (:func:`_fused_cpu_passes`); else at r ≥ 2 G first and then e ← e − G, where MKL's
-    GEMM with so few inner terms is slower than reading G again (r = 4, 8: about 7 ms
-    against 4.5 ms for ResNet-18's matrices, one thread), and at r = 1 ``addmm_`` into
-    e and then G, the faster order there."""
+    (:func:`_fused_cpu_passes`) and r ≤ ``FUSED_UPDATE_MAX_RANK``; else at r ≥ 2 G first
+    and then e ← e − G, where MKL's GEMM with so few inner terms is slower than reading G
+    again (r = 4, 8: about 7 ms against 4.5 ms for ResNet-18's matrices, one thread), and
+    at r = 1 ``addmm_`` into e and then G, the faster order there."""
     return (not _batched(p) and not options.error_in_grad and group.error is not None
             and group.a is group.error.batch and group.grads.list[0].dtype == p.dtype)
 
 
-FUSED_FORM_MAX_RANK = 2
+FUSED_FORM_MAX_RANK = 16
 """The highest rank at which step 3 takes the fused CPU pass (A and P = A·Q in one sweep
-of the rows); above it the pass's r dot products per row cost more than MKL's product
-reading A again from cache (docs/benchmarks.md, issue 27)."""
+of the rows, P in tiles of 3 rows × 4 columns); at r = 32 MKL's product, reading A again
+from cache, is as fast (docs/benchmarks.md, issue 27)."""
+
+FUSED_Q_MAX_RANK = 8
+"""The highest rank at which Q = Aᵀ·P takes the fused CPU pass (:func:`compute_q`); it is
+0.6–0.8× torch's product at r = 1 to 8 and equal at 16 (ResNet-18's matrices, one
+thread)."""
+
+FUSED_UPDATE_MAX_RANK = 8
+"""The highest rank at which step 5 takes the fused CPU pass (G ← P·Qᵀ and e ← e − P·Qᵀ
+in one sweep of the rows); above it the pass sums P·Qᵀ in sweeps of 8 columns, each
+after the first reading G again, and torch's product and subtraction are faster
+(r = 16: 10.3 against 15.2 ms on ResNet-18's matrices, one thread)."""
 
 
 def _fused_cpu_passes():

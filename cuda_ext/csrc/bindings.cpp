@@ -4,6 +4,7 @@
 //   orthogonalize_batches_(batches, epsilon) -> None (each b x m x r batch in place)
 //   powersgd_form_a_and_p_(e, g, qt, p, decay) -> None   (CPU only, powersgd_cpu.cpp)
 //   powersgd_apply_update_(e, g, p, qt) -> None          (CPU only, powersgd_cpu.cpp)
+//   powersgd_transposed_product_(a, p, qt) -> None       (CPU only, powersgd_cpu.cpp)
 //
 // Both check everything first (check_epsilon, check_matrices / check_batches), then
 // dispatch on the device, so a bad input is the same ValueError on every device and
@@ -21,6 +22,7 @@
 #include <cmath>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace bagua_householder {
 namespace {
@@ -162,27 +164,41 @@ bool byte_ranges_meet(const at::Tensor& a, const at::Tensor& b) {
   return a_first < b_end && b_first < a_end;
 }
 
-void check_powersgd_operands(const at::Tensor& e, const at::Tensor& g, const at::Tensor& p, const at::Tensor& qt,
+// The operands of a fused pass: `matrices` n x m (the first names the shape and dtype),
+// p n x r, qt r x m; those named in `written` share no memory with any other.
+void check_powersgd_operands(std::initializer_list<Operand> matrices, const at::Tensor& p, const at::Tensor& qt,
                              std::initializer_list<const char*> written) {
-  const Operand operands[] = {{"e", &e}, {"g", &g}, {"p", &p}, {"qt", &qt}};
+  std::vector<Operand> operands(matrices);
+  operands.push_back({"p", &p});
+  operands.push_back({"qt", &qt});
+  const auto& [first_name, first] = operands.front();
   for (const auto& [name, t] : operands) {
     TORCH_CHECK_VALUE(t->defined() && t->dim() == 2, name, " must be a 2-D tensor, got ",
                       t->defined() ? std::to_string(t->dim()) + "-D" : std::string("an undefined"), " tensor");
     TORCH_CHECK_VALUE(t->device().is_cpu(), name, " must be on the CPU, got a tensor on ", t->device());
     TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat || t->scalar_type() == at::kDouble, name,
                       " must be float32 or float64, got ", python_dtype(t->scalar_type()));
-    TORCH_CHECK_VALUE(t->scalar_type() == e.scalar_type(), name, " must have e's dtype ", python_dtype(e.scalar_type()),
-                      ", got ", python_dtype(t->scalar_type()));
+    TORCH_CHECK_VALUE(t->scalar_type() == first->scalar_type(), name, " must have ", first_name, "'s dtype ",
+                      python_dtype(first->scalar_type()), ", got ", python_dtype(t->scalar_type()));
   }
-  TORCH_CHECK_VALUE(e.is_contiguous() && g.is_contiguous() && qt.is_contiguous(), "e, g and qt must be contiguous");
-  TORCH_CHECK_VALUE(g.sizes() == e.sizes(), "g must have e's shape ", python_shape(e), ", got ", python_shape(g));
-  TORCH_CHECK_VALUE(qt.size(0) >= 1 && qt.size(1) == e.size(1), "qt must be r x m with r >= 1 and m = ", e.size(1),
-                    " (e's columns), got shape ", python_shape(qt));
-  TORCH_CHECK_VALUE(p.size(0) == e.size(0) && p.size(1) == qt.size(0), "p must be n x r = (", e.size(0), ", ",
+  std::string names;  // "e, g and qt", "a and qt"
+  bool contiguous = qt.is_contiguous();
+  for (const auto& [name, t] : matrices) {
+    names += std::string(names.empty() ? "" : ", ") + name;
+    contiguous = contiguous && t->is_contiguous();
+  }
+  TORCH_CHECK_VALUE(contiguous, names, " and qt must be contiguous");
+  for (const auto& [name, t] : matrices) {
+    TORCH_CHECK_VALUE(t->sizes() == first->sizes(), name, " must have ", first_name, "'s shape ", python_shape(*first),
+                      ", got ", python_shape(*t));
+  }
+  TORCH_CHECK_VALUE(qt.size(0) >= 1 && qt.size(1) == first->size(1), "qt must be r x m with r >= 1 and m = ",
+                    first->size(1), " (", first_name, "'s columns), got shape ", python_shape(qt));
+  TORCH_CHECK_VALUE(p.size(0) == first->size(0) && p.size(1) == qt.size(0), "p must be n x r = (", first->size(0), ", ",
                     qt.size(0), "), got shape ", python_shape(p));
   TORCH_CHECK_VALUE(at::has_internal_overlap(p) != at::MemOverlap::Yes, "p has elements that share memory");
   for (const char* out : written) {
-    const at::Tensor& w = *std::find_if(std::begin(operands), std::end(operands), [&](const Operand& o) {
+    const at::Tensor& w = *std::find_if(operands.begin(), operands.end(), [&](const Operand& o) {
                              return std::string(o.first) == out;
                            })->second;
     for (const auto& [name, t] : operands) {
@@ -194,15 +210,21 @@ void check_powersgd_operands(const at::Tensor& e, const at::Tensor& g, const at:
 
 void powersgd_form_a_and_p_(const at::Tensor& e, const at::Tensor& g, const at::Tensor& qt, const at::Tensor& p,
                             double decay) {
-  check_powersgd_operands(e, g, p, qt, {"e", "p"});
+  check_powersgd_operands({{"e", &e}, {"g", &g}}, p, qt, {"e", "p"});
   if (e.numel() == 0) return;
   powersgd_form_a_and_p_cpu(e, g, qt, p, decay);
 }
 
 void powersgd_apply_update_(const at::Tensor& e, const at::Tensor& g, const at::Tensor& p, const at::Tensor& qt) {
-  check_powersgd_operands(e, g, p, qt, {"e", "g"});
+  check_powersgd_operands({{"e", &e}, {"g", &g}}, p, qt, {"e", "g"});
   if (e.numel() == 0) return;
   powersgd_apply_update_cpu(e, g, p, qt);
+}
+
+void powersgd_transposed_product_(const at::Tensor& a, const at::Tensor& p, const at::Tensor& qt) {
+  check_powersgd_operands({{"a", &a}}, p, qt, {"qt"});
+  if (qt.numel() == 0) return;
+  powersgd_transposed_product_cpu(a, p, qt);
 }
 
 }  // namespace
@@ -250,6 +272,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("powersgd_apply_update_", &bagua_householder::powersgd_apply_update_,
         "PowerSGD on CPU: U = P Q^T written into G and E <- E - U (qt = Q^T), in one sweep of the rows",
         pybind11::arg("e"), pybind11::arg("g"), pybind11::arg("p"), pybind11::arg("qt"));
+  m.def("powersgd_transposed_product_", &bagua_householder::powersgd_transposed_product_,
+        "PowerSGD on CPU: Q^T = P^T A written into qt (Q = A^T P), in blocks of columns", pybind11::arg("a"),
+        pybind11::arg("p"), pybind11::arg("qt"));
 #ifdef BAGUA_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

@@ -832,9 +832,9 @@ FUSED_FORM_MAX_RANK = 16
 of the rows, P in tiles of 3 rows × 4 columns); at r = 32 MKL's product, reading A again
 from cache, is as fast (docs/benchmarks.md, issue 27)."""
 
-FUSED_Q_MAX_RANK = 8
+FUSED_Q_MAX_RANK = 32
 """The highest rank at which Q = Aᵀ·P takes the fused CPU pass (:func:`compute_q`); it is
-0.6–0.8× torch's product at r = 1 to 8 and equal at 16 (ResNet-18's matrices, one
+0.5–0.8× torch's product at every rank measured, 1 to 32 (ResNet-18's matrices, one
 thread)."""
 
 FUSED_UPDATE_MAX_RANK = 8

@@ -25,9 +25,9 @@
 // with A transposed and so few columns runs well below the memory's speed).
 //
 // Measured (one thread, ResNet-18's 21 matrices, docs/benchmarks.md issue 27): forming
-// is faster than torch's add + product up to r = 16 (equal at 32), the update and the
-// transposed product up to r = 8 (above it each sweep of the update after the first
-// reads G again; the product is equal at 16); powersgd.py takes each where it is faster.
+// is faster than torch's add + product up to r = 16 (equal at 32), the update up to r = 8
+// (above it each sweep after the first reads G again), the transposed product at every
+// rank measured (1 to 32); powersgd.py takes each where it is faster.
 #include "powersgd_cpu.h"
 
 #include <ATen/Parallel.h>
@@ -206,9 +206,8 @@ __attribute__((always_inline)) inline void update_rows(T* e, T* g, const T* p, i
 }
 
 
-// Q^T = P^T A over columns [k0, k1): qt_jk = sum_i p_ij a_ik, in blocks of columns that
-// keep a block of Q^T and the rows' parts in the L1 cache while A's rows stream past,
-// RI rows at a time (each column of Q^T loaded and stored once for RI multiply-adds).
+// Q^T = P^T A over columns [k0, k1) of rows [i, i + RI): qt_jk += sum_i p_ij a_ik, each
+// vector of Q^T loaded and stored once for RI multiply-adds.
 template <typename T, int RI>
 __attribute__((always_inline)) inline void transposed_tile(const T* __restrict a, const T* p, int64_t p_row,
                                                            int64_t p_col, T* __restrict qt, int64_t i, int64_t m,
@@ -231,15 +230,20 @@ __attribute__((always_inline)) inline void transposed_tile(const T* __restrict a
   }
 }
 
+// Q^T = P^T A over columns [k0, k1), in blocks of `block` columns: a block of Q^T and the
+// parts of 8 rows of A stay in the L1 cache while the rows stream past.
 template <typename T>
 __attribute__((always_inline)) inline void transposed_columns(const T* a, const T* p, int64_t p_row, int64_t p_col,
                                                               T* qt, int64_t n, int64_t m, int64_t r, int64_t k0,
-                                                              int64_t k1) {
+                                                              int64_t k1, int64_t block) {
   for (int64_t j = 0; j < r; ++j) std::fill(qt + j * m + k0, qt + j * m + k1, T(0));
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) transposed_tile<T, 8>(a, p, p_row, p_col, qt, i, m, r, k0, k1);
-  for (; i + 4 <= n; i += 4) transposed_tile<T, 4>(a, p, p_row, p_col, qt, i, m, r, k0, k1);
-  for (; i < n; ++i) transposed_tile<T, 1>(a, p, p_row, p_col, qt, i, m, r, k0, k1);
+  for (int64_t b0 = k0; b0 < k1; b0 += block) {
+    const int64_t b1 = std::min(k1, b0 + block);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) transposed_tile<T, 8>(a, p, p_row, p_col, qt, i, m, r, b0, b1);
+    for (; i + 4 <= n; i += 4) transposed_tile<T, 4>(a, p, p_row, p_col, qt, i, m, r, b0, b1);
+    for (; i < n; ++i) transposed_tile<T, 1>(a, p, p_row, p_col, qt, i, m, r, b0, b1);
+  }
 }
 
 // Each kernel twice on x86-64: for AVX2 with FMA (256-bit fused multiply-adds), taken
@@ -257,8 +261,8 @@ void update_rows_baseline(T* e, T* g, const T* p, int64_t p_row, int64_t p_col, 
 
 template <typename T>
 void transposed_columns_baseline(const T* a, const T* p, int64_t p_row, int64_t p_col, T* qt, int64_t n, int64_t m,
-                                 int64_t r, int64_t k0, int64_t k1) {
-  transposed_columns<T>(a, p, p_row, p_col, qt, n, m, r, k0, k1);
+                                 int64_t r, int64_t k0, int64_t k1, int64_t block) {
+  transposed_columns<T>(a, p, p_row, p_col, qt, n, m, r, k0, k1, block);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -277,8 +281,8 @@ __attribute__((target("avx2,fma"))) void update_rows_fma(T* e, T* g, const T* p,
 template <typename T>
 __attribute__((target("avx2,fma"))) void transposed_columns_fma(const T* a, const T* p, int64_t p_row, int64_t p_col,
                                                                T* qt, int64_t n, int64_t m, int64_t r, int64_t k0,
-                                                               int64_t k1) {
-  transposed_columns<T>(a, p, p_row, p_col, qt, n, m, r, k0, k1);
+                                                               int64_t k1, int64_t block) {
+  transposed_columns<T>(a, p, p_row, p_col, qt, n, m, r, k0, k1, block);
 }
 bool has_fma() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -311,13 +315,14 @@ void update_typed(const at::Tensor& e, const at::Tensor& g, const at::Tensor& p,
 }
 
 template <typename T>
-void transposed_typed(const at::Tensor& a, const at::Tensor& p, const at::Tensor& qt, int64_t k0, int64_t k1) {
+void transposed_typed(const at::Tensor& a, const at::Tensor& p, const at::Tensor& qt, int64_t k0, int64_t k1,
+                      int64_t block) {
   auto* kernel = &transposed_columns_baseline<T>;
 #if defined(__x86_64__) && defined(__GNUC__)
   if (has_fma()) kernel = &transposed_columns_fma<T>;
 #endif
   kernel(a.data_ptr<T>(), p.data_ptr<T>(), p.stride(0), p.stride(1), qt.data_ptr<T>(), a.size(0), a.size(1),
-         qt.size(0), k0, k1);
+         qt.size(0), k0, k1, block);
 }
 
 }  // namespace
@@ -356,9 +361,9 @@ void powersgd_transposed_product_cpu(const at::Tensor& a, const at::Tensor& p, c
                    [&](int64_t begin, int64_t end) {
                      const int64_t k0 = begin * block, k1 = std::min(m, end * block);
                      if (a.scalar_type() == at::kFloat) {
-                       transposed_typed<float>(a, p, qt, k0, k1);
+                       transposed_typed<float>(a, p, qt, k0, k1, block);
                      } else {
-                       transposed_typed<double>(a, p, qt, k0, k1);
+                       transposed_typed<double>(a, p, qt, k0, k1, block);
                      }
                    });
 }

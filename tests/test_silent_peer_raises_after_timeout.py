@@ -43,12 +43,26 @@ SILENT_CASES = {
 SILENCE_CAP_S = 30.0  # the silent peer's longest silence; the others must raise well before
 
 
-def _silent_peer(rank, n, case, done_dir):
+def _file_barrier(directory: pathlib.Path, rank: int, n: int, cap_s: float = 60.0) -> None:
+    """Every worker here before any goes on, through files, not the group: the first
+    collective then starts on every worker within a poll of the others, however long each
+    took to build its model and first optimizer (which imports torch._dynamo: seconds on
+    a loaded machine, against the group's 3-second timeout)."""
+    directory.mkdir(exist_ok=True)
+    (directory / str(rank)).touch()
+    deadline = time.monotonic() + cap_s
+    while len(list(directory.iterdir())) < n and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _silent_peer(rank, n, case, work_dir):
     model = bn_model(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _file_barrier(pathlib.Path(work_dir) / "ready", rank, n)
     model.with_bagua([opt], SILENT_CASES[case]())
     train(model, opt, 1, rank)
-    done = pathlib.Path(done_dir)
+    done = pathlib.Path(work_dir) / "done"
+    done.mkdir(exist_ok=True)
     if rank == n - 1:
         # Silent: takes no further step until every other worker has its outcome (so its
         # return cannot be what ends their wait), at most SILENCE_CAP_S.

@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -47,6 +48,7 @@ def _join_group(rank, world_size, store_path, pg_timeout, env, backend):
 def _worker(rank, world_size, store_path, fn, args, results, pg_timeout, env, backend):
     try:
         comm = _join_group(rank, world_size, store_path, pg_timeout, env, backend)
+        results.put((rank, "joined", None))
         try:
             value = fn(rank, world_size, *args)
         finally:
@@ -62,9 +64,35 @@ def run_workers(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, pg
                 env: dict | None = None, backend: str = "gloo"):
     """``[fn(0, n, *args), ..., fn(n-1, n, *args)]``, each run in its own worker of a
     ``backend`` group ("gloo": CPU tensors, and CUDA tensors staged through the host;
-    "nccl": CUDA tensors over NCCL, CPU tensors over gloo, one GPU per worker)."""
+    "nccl": CUDA tensors over NCCL, CPU tensors over gloo, one GPU per worker).
+
+    Workers whose group does not form (no worker got past joining it, so ``fn`` ran
+    nowhere) are spawned once more, with a line on stderr: a gloo handshake can be broken
+    from outside the test, by a client of another test, run beside it, still retrying
+    an address whose ephemeral port the kernel has since handed to this group's listener
+    ("Gloo connectFullMesh failed ... Connection closed by peer"). A group that does not
+    form twice fails the caller."""
+    for attempt in (1, 2):
+        outcome, failures, joined = _spawn_and_collect(fn, world_size, args, timeout, pg_timeout, env, backend)
+        formation_failed = not joined and any("in _join_group" in failure for failure in failures)
+        if attempt == 1 and formation_failed:
+            print(f"run_workers: the {world_size} workers' group did not form; spawning them once more. "
+                  f"First failure:\n{failures[0][-1500:]}", file=sys.stderr, flush=True)
+            continue
+        break
+    if failures:
+        raise AssertionError("distributed test failed:\n" + "\n".join(failures))
+    return [pickle.loads(outcome[r][1]) for r in range(world_size)]
+
+
+def _spawn_and_collect(fn, world_size, args, timeout, pg_timeout, env, backend):
+    """One spawn of :func:`run_workers`: (each rank's (status, value), the failures, the
+    ranks that joined the group)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    outcome: dict[int, tuple[str, object]] = {}
+    failures: list[str] = []
+    joined: set[int] = set()
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
@@ -74,8 +102,6 @@ def run_workers(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, pg
         ]
         for p in procs:
             p.start()
-        outcome: dict[int, tuple[str, object]] = {}
-        failures = []
         deadline = time.monotonic() + timeout
         try:
             while len(outcome) < world_size:
@@ -88,15 +114,17 @@ def run_workers(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, pg
                     rank, status, value = results.get(timeout=min(remaining, 1.0))
                 except queue.Empty:
                     dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode is not None]
-                    if dead:
-                        # Give its message a moment to arrive; a crash may send none.
-                        try:
-                            rank, status, value = results.get(timeout=2.0)
-                        except queue.Empty:
-                            failures.append(f"worker(s) {dead} exited with code(s) {[procs[r].exitcode for r in dead]} without a result")
-                            break
-                    else:
+                    if not dead:
                         continue
+                    # Give its message a moment to arrive; a crash may send none.
+                    try:
+                        rank, status, value = results.get(timeout=2.0)
+                    except queue.Empty:
+                        failures.append(f"worker(s) {dead} exited with code(s) {[procs[r].exitcode for r in dead]} without a result")
+                        break
+                if status == "joined":
+                    joined.add(rank)
+                    continue
                 outcome[rank] = (status, value)
                 if status == "error":
                     failures.append(f"--- worker {rank} failed:\n{value}")
@@ -109,9 +137,7 @@ def run_workers(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, pg
                 if p.is_alive():
                     p.kill()
                     p.join()
-    if failures:
-        raise AssertionError("distributed test failed:\n" + "\n".join(failures))
-    return [pickle.loads(outcome[r][1]) for r in range(world_size)]
+    return outcome, failures, joined
 
 
 def _pool_worker(rank, world_size, store_path, tasks, results, pg_timeout, env, backend):

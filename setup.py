@@ -23,14 +23,20 @@ def compiled_extensions():
         raise SystemExit(f"BAGUA_BUILD_CUDA_EXT must be one of 1, cpu, cuda (or unset), got {wanted!r}")
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
+    import importlib.util
+
+    # the sources of each kind are listed once, in cuda_ext/_loader.py (the JIT build's)
+    spec = importlib.util.spec_from_file_location("_cuda_ext_loader", os.path.join("cuda_ext", "_loader.py"))
+    loader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loader)
     csrc = os.path.join("cuda_ext", "csrc")
-    cpu_sources = [os.path.join(csrc, s) for s in ("bindings.cpp", "orthogonalize_cpu.cpp", "powersgd_cpu.cpp")]
+    cpu_sources = [os.path.join(csrc, s) for s in loader.SOURCES["cpu"]]
     modules = []
     if wanted != "cuda":
         modules.append(CppExtension("cuda_ext._orthogonalize_cpu", cpu_sources,
                                     include_dirs=[os.path.abspath(csrc)], extra_compile_args=["-O3"]))
     if wanted == "cuda" or (wanted != "cpu" and CUDA_HOME is not None):
-        cuda_sources = cpu_sources + [os.path.join(csrc, s) for s in ("orthogonalize_cuda.cpp", "orthogonalize_kernel.cu")]
+        cuda_sources = [os.path.join(csrc, s) for s in loader.SOURCES["cuda"]]
         modules.append(CUDAExtension("cuda_ext._orthogonalize_cuda", cuda_sources, include_dirs=[os.path.abspath(csrc)],
                                      extra_compile_args={"cxx": ["-O3", "-DBAGUA_WITH_CUDA"], "nvcc": ["-O3"]}))
     return {"ext_modules": modules, "cmdclass": {"build_ext": BuildExtension}}

@@ -17,6 +17,9 @@ Sections:
   step; also for PowerSGD at rank 2 (the sweep's setting), whose hooks compress as well
   as average (no goal). The step and its hooks are timed in the same blocks of steps
   (``--rounds`` blocks of ``--steps``, after ``--warmup`` steps); the median block's.
+  On the CPU each form runs twice, its blocks interleaved: with the torch passes and
+  with cuda_ext's compiled ones (``--passes``; loaded here, built on first use), and a
+  line per form gives the ratio of their hooks' times.
 - ``sweep``: the README's default sweep shortened to one α and a few epochs, run as
   processes (``--engine processes``), on the engine one run at a time (``--jobs 1``)
   and on the engine as it runs by default (runs in parallel, one a core), wall clock
@@ -32,6 +35,7 @@ Prints one JSON line per figure after a header naming the machine and device.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -50,6 +54,7 @@ import torch  # noqa: E402
 from bagua_algos.algorithms import (AllreduceAverageAlgorithm, DecentralizedAlgorithm,  # noqa: E402
                                     PowerSGDAlgorithm, RelayAlgorithm)
 from bagua_algos.engine import Engine  # noqa: E402
+from bagua_algos.engine.forms.rows import torch_passes_only  # noqa: E402
 from benchmarks.sweep_data import SmallCNN, ResNet20  # noqa: E402
 
 MODELS = {
@@ -166,49 +171,87 @@ class _TimedForm:
         return timed
 
 
+def _passes_variants(args, device) -> dict:
+    """The ways the forms' passes run in this comparison: ``torch`` (the row gathers, one
+    pass a term) and, on the CPU, ``compiled`` (cuda_ext's engine passes, loaded here)."""
+    if device.type != "cpu" or args.passes == "torch":
+        return {"torch": torch_passes_only}
+    import cuda_ext
+
+    try:
+        cuda_ext.load_cpu_passes()  # a first build takes about a minute
+    except cuda_ext.ExtensionUnavailable as error:
+        if args.passes == "compiled":
+            raise SystemExit(f"argument --passes: compiled passes unavailable: {error}")
+        print(f"# compiled passes unavailable, timing torch's only: {error}", file=sys.stderr)
+        return {"torch": torch_passes_only}
+    variants = {"torch": torch_passes_only, "compiled": contextlib.nullcontext}
+    return variants if args.passes == "both" else {"compiled": contextlib.nullcontext}
+
+
 def comm(args, device) -> list[dict]:
-    """Per algorithm: ``--warmup`` steps, then ``--rounds`` blocks of ``--steps`` steps,
+    """Per algorithm and way of running the passes (:func:`_passes_variants`): ``--warmup``
+    steps, then ``--rounds`` blocks of ``--steps`` steps, the ways' blocks interleaved,
     each block timed whole and hook by hook with the same clock; the share is the hooks'
-    time over the block's, the median over blocks (min and max beside it)."""
+    time over the block's, the median over blocks (min and max beside it). With both
+    ways, a last line per algorithm gives compiled / torch of the hooks' time, per round."""
     out = []
     loss_fn = torch.nn.functional.cross_entropy
     algorithms = {
-        "allreduce_average": AllreduceAverageAlgorithm(),
-        "decentralized_ring": DecentralizedAlgorithm(topology="ring"),
-        "relay_chain": RelayAlgorithm(topology="chain"),
-        "relay_double_binary_tree": RelayAlgorithm(topology="double_binary_tree"),
-        "powersgd_rank2": PowerSGDAlgorithm(rank=2),
+        "allreduce_average": AllreduceAverageAlgorithm,
+        "decentralized_ring": lambda: DecentralizedAlgorithm(topology="ring"),
+        "relay_chain": lambda: RelayAlgorithm(topology="chain"),
+        "relay_double_binary_tree": lambda: RelayAlgorithm(topology="double_binary_tree"),
+        "powersgd_rank2": lambda: PowerSGDAlgorithm(rank=2),
     }
+    variants = _passes_variants(args, device)
     for name in args.models:
-        for label, algorithm in algorithms.items():
-            shape, module = build(name)
+        for label, make_algorithm in algorithms.items():
             n, b = args.workers, args.batch
-            engine = Engine(module, n, algorithm, _sgd, device=device)
-            x = torch.randn(n, b, *shape, device=device)
-            y = torch.randint(0, 10, (n, b), device=device)
-            for _ in range(args.warmup):
-                engine.step(x, y, loss_fn)
-            engine.form = timed = _TimedForm(engine.form, device)
-            shares, step_ms, hook_ms = [], [], {hook: [] for hook in HOOKS}
+            runs = {}
+            for variant, context in variants.items():
+                with context():
+                    shape, module = build(name)
+                    engine = Engine(module, n, make_algorithm(), _sgd, device=device)
+                    x = torch.randn(n, b, *shape, device=device)
+                    y = torch.randint(0, 10, (n, b), device=device)
+                    for _ in range(args.warmup):
+                        engine.step(x, y, loss_fn)
+                engine.form = _TimedForm(engine.form, device)
+                runs[variant] = (context, engine, x, y, {"share": [], "step_ms": [], "hooks_ms": [],
+                                                         **{hook: [] for hook in HOOKS}})
             for _ in range(args.rounds):
-                timed.reset()
-                _sync(device)
-                start = _clock(device)
-                for _ in range(args.steps):
-                    engine.step(x, y, loss_fn)
-                _sync(device)
-                total = _clock(device) - start
-                shares.append(sum(timed.seconds.values()) / total)
-                step_ms.append(total / args.steps * 1e3)
-                for hook in HOOKS:
-                    hook_ms[hook].append(timed.seconds[hook] / args.steps * 1e3)
-            out.append({"section": "comm", "model": name, "algorithm": label, "workers": n, "batch": b,
-                        "step_ms": round(statistics.median(step_ms), 2),
-                        "hook_ms": {hook: round(statistics.median(v), 3) for hook, v in hook_ms.items()},
-                        "comm_share": round(statistics.median(shares), 3),
-                        "comm_share_range": [round(min(shares), 3), round(max(shares), 3)],
-                        "goal": None if label.startswith("powersgd") else "< 0.10 (mlp)"})
-            print(json.dumps(out[-1]), flush=True)
+                for variant, (context, engine, x, y, figures) in runs.items():
+                    timed = engine.form
+                    timed.reset()
+                    with context():
+                        _sync(device)
+                        start = _clock(device)
+                        for _ in range(args.steps):
+                            engine.step(x, y, loss_fn)
+                        _sync(device)
+                        total = _clock(device) - start
+                    hooks = sum(timed.seconds.values())
+                    figures["share"].append(hooks / total)
+                    figures["step_ms"].append(total / args.steps * 1e3)
+                    figures["hooks_ms"].append(hooks / args.steps * 1e3)
+                    for hook in HOOKS:
+                        figures[hook].append(timed.seconds[hook] / args.steps * 1e3)
+            for variant, (_, _, _, _, figures) in runs.items():
+                shares = figures["share"]
+                out.append({"section": "comm", "model": name, "algorithm": label, "passes": variant, "workers": n,
+                            "batch": b, "step_ms": round(statistics.median(figures["step_ms"]), 2),
+                            "hook_ms": {hook: round(statistics.median(figures[hook]), 3) for hook in HOOKS},
+                            "comm_share": round(statistics.median(shares), 3),
+                            "comm_share_range": [round(min(shares), 3), round(max(shares), 3)],
+                            "goal": None if label.startswith("powersgd") else "< 0.10 (mlp)"})
+                print(json.dumps(out[-1]), flush=True)
+            if len(runs) == 2:
+                ratios = [c / t for t, c in zip(runs["torch"][4]["hooks_ms"], runs["compiled"][4]["hooks_ms"])]
+                out.append({"section": "comm", "model": name, "algorithm": label, "workers": n,
+                            "hooks_compiled_over_torch": round(statistics.median(ratios), 3),
+                            "range": [round(min(ratios), 3), round(max(ratios), 3)]})
+                print(json.dumps(out[-1]), flush=True)
     return out
 
 
@@ -257,6 +300,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; comm: timed blocks (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="comm: untimed steps before the first block (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--passes", default="both", choices=("both", "torch", "compiled"),
+                   help="comm on the CPU: time the forms' torch passes, cuda_ext's compiled ones (built on first "
+                        "use, about a minute), or both interleaved (default; torch only where it cannot be built)")
     p.add_argument("--sweep-epochs", type=int, default=5, help="epochs of the shortened sweep (default 5)")
     p.add_argument("--sweep-rounds", type=int, default=1, help="rounds of the sweep's three commands (default 1)")
     args = p.parse_args(argv)

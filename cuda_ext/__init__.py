@@ -37,6 +37,8 @@ __all__ = [
     "orthogonalize",
     "orthogonalize_batches_",
     "load_orthogonalize",
+    "load_cpu_passes",
+    "loaded_cpu_passes",
     "is_loaded",
     "is_available",
     "cache_dir",
@@ -153,6 +155,35 @@ def load_orthogonalize(device="cpu") -> Callable[..., List[torch.Tensor]]:
     """
     _loader.load(_loader.kind_for(device))
     return orthogonalize
+
+
+def load_cpu_passes():
+    """Build (first time: about a minute) or fetch the CPU module, and return it.
+
+    Besides the orthogonalization it holds the fused CPU passes that the package takes
+    wherever this module is loaded (:func:`loaded_cpu_passes`): PowerSGD's three
+    (``csrc/powersgd_cpu.cpp``) and the one-process engine's gossip mix and relay step
+    (``csrc/engine_cpu.cpp``). Nothing in the package builds it by itself. Raises
+    :class:`ExtensionUnavailable` if it cannot be built.
+
+    Example::
+
+        >>> import cuda_ext
+        >>> module = cuda_ext.load_cpu_passes()
+        >>> cuda_ext.loaded_cpu_passes("engine_gossip_mix_") is module
+        True
+    """
+    return _loader.load("cpu")
+
+
+def loaded_cpu_passes(*names: str):
+    """The compiled module that serves CPU tensors when one is loaded in this process and
+    has every pass in ``names``, else None (a module built before those passes existed,
+    say at install time). Never builds: this is the callers' check on the hot path."""
+    module = _loader.loaded_module("cpu")
+    if module is None or not all(hasattr(module, name) for name in names):
+        return None
+    return module
 
 
 def is_loaded(device=None) -> bool:

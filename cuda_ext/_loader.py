@@ -30,11 +30,11 @@ import torch
 KINDS = ("cpu", "cuda")
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = {
-    "cpu": ["bindings.cpp", "orthogonalize_cpu.cpp", "powersgd_cpu.cpp"],
-    "cuda": ["bindings.cpp", "orthogonalize_cpu.cpp", "powersgd_cpu.cpp", "orthogonalize_cuda.cpp",
+    "cpu": ["bindings.cpp", "orthogonalize_cpu.cpp", "powersgd_cpu.cpp", "engine_cpu.cpp"],
+    "cuda": ["bindings.cpp", "orthogonalize_cpu.cpp", "powersgd_cpu.cpp", "engine_cpu.cpp", "orthogonalize_cuda.cpp",
              "orthogonalize_kernel.cu"],
 }
-HEADERS = ["householder.h", "orthogonalize.h", "orthogonalize_kernel.h", "powersgd_cpu.h"]
+HEADERS = ["householder.h", "orthogonalize.h", "orthogonalize_kernel.h", "powersgd_cpu.h", "engine_cpu.h"]
 MODULE_NAMES = {"cpu": "bagua_orthogonalize_cpu", "cuda": "bagua_orthogonalize_cuda"}
 PREBUILT = {"cpu": "cuda_ext._orthogonalize_cpu", "cuda": "cuda_ext._orthogonalize_cuda"}
 CACHE_ENV = "BAGUA_CUDA_EXT_CACHE"

@@ -851,11 +851,11 @@ def _fused_cpu_passes():
     orthogonalization (see :mod:`.orthogonalization`), a first build takes minutes, and
     ``orthogonalization.prepare("householder", "cpu")`` is how a user loads it."""
     try:
-        from cuda_ext import _loader  # a top-level package of this project
+        import cuda_ext  # a top-level package of this project
     except ImportError:
         return None
-    module = _loader.loaded_module("cpu")
-    return module if hasattr(module, "powersgd_apply_update_") else None
+    return cuda_ext.loaded_cpu_passes("powersgd_form_a_and_p_", "powersgd_apply_update_",
+                                      "powersgd_transposed_product_")
 
 
 def _host_copy(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:

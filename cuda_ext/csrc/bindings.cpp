@@ -11,6 +11,7 @@
 // nothing is launched or allocated for it. cuda_ext/__init__.py has the same checks
 // in Python with the same words (tests/test_cuda_ext.py compares them).
 #include "orthogonalize.h"
+#include "engine_cpu.h"
 #include "powersgd_cpu.h"
 
 #include <ATen/MemoryOverlap.h>
@@ -227,6 +228,54 @@ void powersgd_transposed_product_(const at::Tensor& a, const at::Tensor& p, cons
   powersgd_transposed_product_cpu(a, p, qt);
 }
 
+// The engine's gossip mix (engine_cpu.cpp): x n x d, float32 or float64, on the CPU,
+// columns contiguous (its rows may be any distance apart); self_weight (n) and weight
+// (n x slots) of x's dtype; neighbour (n x slots) int64 in [-1, n).
+void check_vector(const char* name, const at::Tensor& t, at::ScalarType dtype, int64_t length) {
+  TORCH_CHECK_VALUE(t.defined() && t.dim() == 1 && t.size(0) == length && t.device().is_cpu() && t.is_contiguous(),
+                    name, " must be a contiguous 1-D CPU tensor of ", length, " values, got ",
+                    t.defined() ? "shape " + python_shape(t) + " on " + t.device().str() : std::string("none"));
+  TORCH_CHECK_VALUE(t.scalar_type() == dtype, name, " must be ", python_dtype(dtype), ", got ",
+                    python_dtype(t.scalar_type()));
+}
+
+void engine_gossip_mix_(const at::Tensor& x, const at::Tensor& self_weight, const at::Tensor& neighbour,
+                        const at::Tensor& weight) {
+  TORCH_CHECK_VALUE(x.defined() && x.dim() == 2, "x must be a 2-D tensor (n x d), got ",
+                    x.defined() ? std::to_string(x.dim()) + "-D" : std::string("an undefined"), " tensor");
+  TORCH_CHECK_VALUE(x.device().is_cpu(), "x must be on the CPU, got a tensor on ", x.device());
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble,
+                    "x must be float32 or float64, got ", python_dtype(x.scalar_type()));
+  TORCH_CHECK_VALUE(x.size(1) <= 1 || x.stride(1) == 1, "x's columns must be contiguous (stride 1), got strides (",
+                    x.stride(0), ", ", x.stride(1), ")");
+  TORCH_CHECK_VALUE(at::has_internal_overlap(x) != at::MemOverlap::Yes, "x has elements that share memory");
+  const int64_t n = x.size(0);
+  check_vector("self_weight", self_weight, x.scalar_type(), n);
+  TORCH_CHECK_VALUE(neighbour.defined() && neighbour.dim() == 2 && neighbour.size(0) == n &&
+                        neighbour.scalar_type() == at::kLong && neighbour.device().is_cpu() &&
+                        neighbour.is_contiguous(),
+                    "neighbour must be a contiguous n x slots CPU tensor of torch.int64 with n = ", n, ", got ",
+                    neighbour.defined() ? python_dtype(neighbour.scalar_type()) + " of shape " +
+                                              python_shape(neighbour) + " on " + neighbour.device().str()
+                                        : std::string("none"));
+  const int64_t* j = neighbour.data_ptr<int64_t>();
+  for (int64_t k = 0; k < neighbour.numel(); ++k) {
+    TORCH_CHECK_VALUE(j[k] >= -1 && j[k] < n, "neighbour[", k / std::max<int64_t>(neighbour.size(1), 1), "][",
+                      k % std::max<int64_t>(neighbour.size(1), 1), "] is ", j[k], "; valid: -1 (no term) to ", n - 1);
+  }
+  TORCH_CHECK_VALUE(weight.defined() && weight.sizes() == neighbour.sizes() && weight.is_contiguous() &&
+                        weight.device().is_cpu() && weight.scalar_type() == x.scalar_type(),
+                    "weight must be a contiguous CPU tensor of x's dtype and neighbour's shape ",
+                    python_shape(neighbour), ", got ",
+                    weight.defined() ? python_dtype(weight.scalar_type()) + " of shape " + python_shape(weight)
+                                     : std::string("none"));
+  for (const auto& [name, t] : {Operand{"self_weight", &self_weight}, Operand{"weight", &weight}}) {
+    TORCH_CHECK_VALUE(!byte_ranges_meet(x, *t), "x and ", name, " share memory; x is written");
+  }
+  if (x.numel() == 0) return;
+  engine_gossip_mix_cpu(x, self_weight, neighbour, weight);
+}
+
 }  // namespace
 
 MatrixDesc describe(const at::Tensor& input, const at::Tensor& output) {
@@ -275,6 +324,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("powersgd_transposed_product_", &bagua_householder::powersgd_transposed_product_,
         "PowerSGD on CPU: Q^T = P^T A written into qt (Q = A^T P), in blocks of columns", pybind11::arg("a"),
         pybind11::arg("p"), pybind11::arg("qt"));
+  m.def("engine_gossip_mix_", &bagua_householder::engine_gossip_mix_,
+        "The engine's D-PSGD mix on CPU, in place: x_i <- self_weight_i x_i + sum_k weight_ik x_{neighbour_ik} "
+        "(old x on the right; slots in order; a negative neighbour adds nothing), in one sweep",
+        pybind11::arg("x"), pybind11::arg("self_weight"), pybind11::arg("neighbour"), pybind11::arg("weight"));
 #ifdef BAGUA_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

@@ -6,8 +6,9 @@ The per-rank op takes X^t before forward (its copy into ``peer_weight``) and its
 post-backward hook copies the gossip result back; the parameters do not change in
 between, so the form computes the mixture W X^t after backward, into a spare ``[n, d]``
 tensor that then becomes the parameters' storage (``StackedModel.swap_params``: no copy
-back; the old storage is the next spare), and the optimizer step then applies each
-worker's gradient to it. W is:
+back; the old storage is the next spare), or in place by cuda_ext's compiled sweep where
+its CPU module is loaded (:meth:`NeighbourMix.mix_in_place_`), and the optimizer step
+then applies each worker's gradient to it. W is:
 
 - ``peer_selection_mode="all"`` (flat or hierarchical: the engine is one node, where the
   hierarchical average is the exact average): (1/n) 11ᵀ;
@@ -28,7 +29,7 @@ from ...algorithms.model_averaging import communicates_at
 from ...runtime.ops import shift_one_peer
 from ...runtime.topology import resolve_topology
 from .base import StackedForm
-from .rows import RowGather, run_calls
+from .rows import RowGather, engine_cpu_passes, run_calls
 
 
 class NeighbourMix:
@@ -40,20 +41,29 @@ class NeighbourMix:
     contiguous row ranges, not a gather into a fresh ``[n, d]`` tensor and an add.
     :meth:`mix` writes W x into a given tensor: the self term, then one multiply-add per
     slot (a ring: three passes over ``[n, d]``), prepared once per (x, out) pair as calls
-    on views (:func:`~.rows.run_calls`)."""
+    on views (:func:`~.rows.run_calls`). Where cuda_ext's CPU module is loaded,
+    :meth:`mix_in_place_` does it in one sweep over x instead (csrc/engine_cpu.cpp)."""
 
     def __init__(self, topology, device):
         n = topology.world_size
         rows = [topology.gossip_weights(i) for i in range(n)]
         neighbours = [list(topology.neighbors(i)) for i in range(n)]
         slots = max((len(nb) for nb in neighbours), default=0)
-        self.self_weight = torch.tensor([[rows[i][i]] for i in range(n)], device=device)
+        # weights in float64, rounded once to the parameters' dtype where they are used
+        self.self_weight = torch.tensor([[rows[i][i]] for i in range(n)], dtype=torch.float64, device=device)
         self.slots = []  # (RowGather, weight [n, 1]) per neighbour slot
         for k in range(slots):
             index = [nb[k] if k < len(nb) else None for nb in neighbours]
             weight = [rows[i][nb[k]] if k < len(nb) else 0.0 for i, nb in enumerate(neighbours)]
-            self.slots.append((RowGather(index, device), torch.tensor(weight, device=device).unsqueeze(1)))
+            self.slots.append((RowGather(index, device),
+                               torch.tensor(weight, dtype=torch.float64, device=device).unsqueeze(1)))
         self._prepared = {}  # (x, out) -> calls
+        # the same rows for the compiled sweep: neighbour j_ik (−1: no term), w_ik
+        self.neighbour = torch.tensor([[nb[k] if k < len(nb) else -1 for k in range(slots)] for nb in neighbours],
+                                      dtype=torch.long).reshape(n, slots)
+        self.weight = torch.tensor([[rows[i][nb[k]] if k < len(nb) else 0.0 for k in range(slots)]
+                                    for i, nb in enumerate(neighbours)], dtype=torch.float64).reshape(n, slots)
+        self._weights_as = {}  # dtype -> (self weights [n], weights [n, slots]) on the CPU
 
     def _calls(self, x: torch.Tensor, out: torch.Tensor) -> list:
         """The passes of ``mix(x, out)``, prepared for the last two (x, out) pairs (the
@@ -71,6 +81,19 @@ class NeighbourMix:
         """out ← W x (each row's terms in the order above); ``out`` must not overlap x."""
         run_calls(self._calls(x, out))
         return out
+
+    def mix_in_place_(self, x: torch.Tensor) -> bool:
+        """x ← W x by cuda_ext's compiled sweep, where it is loaded
+        (:func:`~.rows.engine_cpu_passes`; the same terms in the same order, rounded alike);
+        returns False, doing nothing, where it is not."""
+        passes = engine_cpu_passes(x)
+        if passes is None:
+            return False
+        if x.dtype not in self._weights_as:
+            self._weights_as[x.dtype] = (self.self_weight.reshape(-1).to("cpu", x.dtype), self.weight.to(x.dtype))
+        self_weight, weight = self._weights_as[x.dtype]
+        passes.engine_gossip_mix_(x, self_weight, self.neighbour, weight)
+        return True
 
 
 class DecentralizedForm(StackedForm):
@@ -108,6 +131,8 @@ class DecentralizedForm(StackedForm):
             return  # one worker: the gossip result is its own weights
         if self.mix is None and self.algorithm.peer_selection_mode != "shift_one":
             x.copy_(x.sum(0, keepdim=True).div_(self.n).expand_as(x))
+            return
+        if self.mix is not None and self.mix.mix_in_place_(x):
             return
         if self._spare is None:
             self._spare = torch.empty_like(x)

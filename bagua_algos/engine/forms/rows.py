@@ -27,15 +27,46 @@ per block cost more than the cache saved, at every block size tried.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["RowGather", "arithmetic_runs", "run_calls"]
+__all__ = ["RowGather", "arithmetic_runs", "engine_cpu_passes", "run_calls", "torch_passes_only"]
 
 MAX_RUNS = 8
 """More runs than this and one ``index_select`` is cheaper than the slices' launches."""
+
+
+_torch_passes_only = False
+
+
+@contextlib.contextmanager
+def torch_passes_only():
+    """Within this block the gossip mix takes the torch passes even where cuda_ext's CPU
+    module is loaded (for comparisons: the benchmark's baseline, the tests)."""
+    global _torch_passes_only
+    before, _torch_passes_only = _torch_passes_only, True
+    try:
+        yield
+    finally:
+        _torch_passes_only = before
+
+
+def engine_cpu_passes(x: torch.Tensor):
+    """cuda_ext's compiled CPU module, when it is loaded in this process
+    (``cuda_ext.load_cpu_passes()``) and ``x`` is a float32 or float64 CPU tensor: its
+    ``engine_gossip_mix_`` does a gossip mix in one sweep, in place, where the row
+    gathers take a pass a term (csrc/engine_cpu.cpp; the same terms in the same order,
+    rounded alike). Else None. Never builds it (a first build takes about a minute)."""
+    if _torch_passes_only or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
+        return None
+    try:
+        import cuda_ext  # a top-level package of this project
+    except ImportError:
+        return None
+    return cuda_ext.loaded_cpu_passes("engine_gossip_mix_")
 
 
 def run_calls(calls: Sequence[tuple]) -> None:

@@ -172,24 +172,47 @@ class WorkerPool:
     usable once every rank has answered; a call whose workers do not all answer within
     its ``timeout`` (or a worker that dies) fails and shuts the pool down, so every later
     call fails at once instead of waiting. ``close()`` (or leaving a ``with`` block)
-    stops the workers."""
+    stops the workers. Workers whose group does not form are spawned once more during
+    the first call, as :func:`run_workers` does."""
 
     def __init__(self, world_size: int, *, pg_timeout: float = 30.0, env: dict | None = None, backend: str = "gloo"):
-        ctx = mp.get_context("spawn")
         self.world_size = world_size
         self.broken = ""  # why the pool can no longer be used
         self._calls = 0
+        self._worker_args = (pg_timeout, dict(env or {}), backend)
+        self._respawned = False  # the group is formed anew at most once (as run_workers does)
+        self._spawn()
+
+    def _spawn(self):
+        """Start the workers, with a fresh store for their group."""
+        ctx = mp.get_context("spawn")
         self._tmp = tempfile.TemporaryDirectory()
         self._results = ctx.Queue()
-        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         store_path = os.path.join(self._tmp.name, "store")
         self._procs = [
-            ctx.Process(target=_pool_worker, args=(r, world_size, store_path, self._tasks[r], self._results, pg_timeout,
-                                                   dict(env or {}), backend), daemon=True)
-            for r in range(world_size)
+            ctx.Process(target=_pool_worker, args=(r, self.world_size, store_path, self._tasks[r], self._results,
+                                                   *self._worker_args), daemon=True)
+            for r in range(self.world_size)
         ]
         for p in self._procs:
             p.start()
+
+    def _respawn_if_unformed(self, call: int, outcome: dict, why: str) -> bool:
+        """At the first call, when a worker could not join the group and no worker has
+        answered, spawn the workers once more (see :func:`run_workers`); True if it did."""
+        if call != 1 or outcome or self._respawned or "in _join_group" not in why:
+            return False
+        print(f"WorkerPool: the {self.world_size} workers' group did not form; spawning them once more. "
+              f"First failure:\n{why[-1500:]}", file=sys.stderr, flush=True)
+        self._respawned = True
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        self._tmp.cleanup()
+        self._spawn()
+        return True
 
     def __enter__(self):
         return self
@@ -224,6 +247,10 @@ class WorkerPool:
                     break
                 continue
             if got_call == 0:
+                if self._respawn_if_unformed(call, outcome, value):
+                    for tasks in self._tasks:
+                        tasks.put((call, fn, args))
+                    continue
                 self._shut_down(f"worker {rank} could not start:\n{value}")
                 break
             if got_call != call:  # cannot happen: a call that did not finish shuts the pool down

@@ -34,7 +34,7 @@ SOURCES = {
     "cuda": ["bindings.cpp", "orthogonalize_cpu.cpp", "powersgd_cpu.cpp", "engine_cpu.cpp", "orthogonalize_cuda.cpp",
              "orthogonalize_kernel.cu"],
 }
-HEADERS = ["householder.h", "orthogonalize.h", "orthogonalize_kernel.h", "powersgd_cpu.h", "engine_cpu.h"]
+HEADERS = ["householder.h", "orthogonalize.h", "orthogonalize_kernel.h", "powersgd_cpu.h", "engine_cpu.h", "vectors.h"]
 MODULE_NAMES = {"cpu": "bagua_orthogonalize_cpu", "cuda": "bagua_orthogonalize_cuda"}
 PREBUILT = {"cpu": "cuda_ext._orthogonalize_cpu", "cuda": "cuda_ext._orthogonalize_cuda"}
 CACHE_ENV = "BAGUA_CUDA_EXT_CACHE"

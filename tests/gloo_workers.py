@@ -206,11 +206,7 @@ class WorkerPool:
         print(f"WorkerPool: the {self.world_size} workers' group did not form; spawning them once more. "
               f"First failure:\n{why[-1500:]}", file=sys.stderr, flush=True)
         self._respawned = True
-        for p in self._procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
-        self._tmp.cleanup()
+        self._stop_workers()
         self._spawn()
         return True
 
@@ -265,13 +261,17 @@ class WorkerPool:
             raise AssertionError("distributed call failed:\n" + "\n".join(failures))
         return [pickle.loads(outcome[r][1]) for r in range(self.world_size)]
 
-    def _shut_down(self, why: str):
-        self.broken = why
+    def _stop_workers(self):
+        """Kill the workers that are still running, and remove their store."""
         for p in self._procs:
             if p.is_alive():
                 p.kill()
             p.join()
         self._tmp.cleanup()
+
+    def _shut_down(self, why: str):
+        self.broken = why
+        self._stop_workers()
 
     def close(self):
         if self.broken:

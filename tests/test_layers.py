@@ -17,9 +17,10 @@ ALLOWED = {
     "bagua_algos.compat": {"bagua_algos.algorithms", "bagua_algos.runtime"},
     "bagua_algos.ddp_hooks": {"bagua_algos.algorithms", "bagua_algos.compression", "bagua_algos.runtime"},
     "bagua_algos.launch": {"bagua_algos.runtime"},
-    # the one-process engine: the algorithms' stacked forms, on their pure math
+    # the one-process engine: the algorithms' stacked forms, on their pure math (and
+    # cuda_ext's compiled gossip mix where that module is loaded)
     "bagua_algos.engine": {"bagua_algos.algorithms", "bagua_algos.runtime", "bagua_algos.compression",
-                           "bagua_algos.arguments", "topologies", "samplers"},
+                           "bagua_algos.arguments", "topologies", "samplers", "cuda_ext"},
     "bagua_algos.algorithms": {"bagua_algos.runtime", "bagua_algos.compression", "bagua_algos.arguments"},
     # runtime/launch.py puts the compatibility package on the workers' path.
     "bagua_algos.runtime": {"bagua_algos.compression", "bagua_algos.arguments", "topologies", "bagua_algos.compat"},

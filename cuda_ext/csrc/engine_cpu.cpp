@@ -18,6 +18,7 @@
 // mul and addcmul_ on a CPU with AVX2 + FMA. On such a CPU the results equal the torch
 // passes' bit for bit (tests/test_engine_cpu_passes.py).
 #include "engine_cpu.h"
+#include "vectors.h"
 
 #include <ATen/Parallel.h>
 
@@ -36,32 +37,10 @@ namespace {
 // the block's rows of x stay there too (128 KB to 512 KB measured the same).
 constexpr int64_t kScratchBytes = int64_t{256} << 10;
 
-// 256-bit vectors through GCC's vector extensions (one AVX2 register; two SSE ones in the
-// baseline build); loads and stores by memcpy (unaligned).
-template <typename T>
-struct VectorOf;
-template <>
-struct VectorOf<float> {
-  typedef float type __attribute__((vector_size(32)));
-};
-template <>
-struct VectorOf<double> {
-  typedef double type __attribute__((vector_size(32)));
-};
-template <typename T>
-using Vec = typename VectorOf<T>::type;
-template <typename T>
-constexpr int64_t kLanes = 32 / sizeof(T);
-template <typename T>
-__attribute__((always_inline)) inline Vec<T> load(const T* p) {
-  Vec<T> v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-template <typename T>
-__attribute__((always_inline)) inline void store(T* p, Vec<T> v) {
-  __builtin_memcpy(p, &v, sizeof(v));
-}
+using vectors::kLanes;
+using vectors::load;
+using vectors::store;
+using vectors::Vec;
 
 // One row of a block: out = w_self * self + sum_k w_k * scratch_{j_k} (a negative j_k adds
 // nothing), 4 vectors at a time with their sums in registers: one load a term, one store.
@@ -128,10 +107,6 @@ __attribute__((target("avx2,fma"))) void mix_columns_fma(T* x, int64_t x_row, in
                                                          T* scratch, int64_t c0, int64_t c1, int64_t block) {
   mix_columns<T>(x, x_row, n, self_weight, neighbour, weight, slots, scratch, c0, c1, block);
 }
-bool has_fma() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
 #endif
 
 // This thread's scratch of at least `count` values, kept between calls (a fresh
@@ -148,7 +123,7 @@ void mix_typed(const at::Tensor& x, const at::Tensor& self_weight, const at::Ten
                const at::Tensor& weight, int64_t c0, int64_t c1, int64_t block) {
   auto* kernel = &mix_columns_baseline<T>;
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (has_fma()) kernel = &mix_columns_fma<T>;
+  if (vectors::cpu_has_fma()) kernel = &mix_columns_fma<T>;
 #endif
   T* scratch = thread_scratch<T>(std::max<int64_t>(x.size(0), 1) * block);
   kernel(x.data_ptr<T>(), x.stride(0), x.size(0), self_weight.data_ptr<T>(), neighbour.data_ptr<int64_t>(),

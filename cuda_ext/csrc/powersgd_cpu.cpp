@@ -29,6 +29,7 @@
 // (above it each sweep after the first reads G again), the transposed product at every
 // rank measured (1 to 32); powersgd.py takes each where it is faster.
 #include "powersgd_cpu.h"
+#include "vectors.h"
 
 #include <ATen/Parallel.h>
 
@@ -41,36 +42,13 @@
 namespace bagua_householder {
 namespace {
 
-// 256-bit vectors through GCC's vector extensions: one register in the AVX2 + FMA
-// variant (below), two SSE registers in the baseline one. Loads and stores by memcpy
-// (unaligned).
-template <typename T>
-struct VectorOf;
-template <>
-struct VectorOf<float> {
-  typedef float type __attribute__((vector_size(32)));
-};
-template <>
-struct VectorOf<double> {
-  typedef double type __attribute__((vector_size(32)));
-};
-template <typename T>
-using Vec = typename VectorOf<T>::type;
-template <typename T>
-constexpr int64_t kLanes = 32 / sizeof(T);
+using vectors::kLanes;
+using vectors::load;
+using vectors::store;
+using vectors::Vec;
 constexpr int64_t kMaxColumns = 8;   // columns of P per sweep of the update (R accumulators)
 constexpr int64_t kTileColumns = 4;  // columns of P per tile of the product
 
-template <typename T>
-__attribute__((always_inline)) inline Vec<T> load(const T* p) {
-  Vec<T> v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-template <typename T>
-__attribute__((always_inline)) inline void store(T* p, Vec<T> v) {
-  __builtin_memcpy(p, &v, sizeof(v));
-}
 template <typename T>
 __attribute__((always_inline)) inline T lane_sum(Vec<T> v) {
   T sum = 0;
@@ -284,10 +262,6 @@ __attribute__((target("avx2,fma"))) void transposed_columns_fma(const T* a, cons
                                                                int64_t k1, int64_t block) {
   transposed_columns<T>(a, p, p_row, p_col, qt, n, m, r, k0, k1, block);
 }
-bool has_fma() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
 #endif
 
 template <typename T>
@@ -296,7 +270,7 @@ void form_typed(const at::Tensor& e, const at::Tensor& g, const at::Tensor& qt, 
   const int64_t m = e.size(1), r = qt.size(0);
   auto* kernel = &form_rows_baseline<T>;
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (has_fma()) kernel = &form_rows_fma<T>;
+  if (vectors::cpu_has_fma()) kernel = &form_rows_fma<T>;
 #endif
   kernel(e.data_ptr<T>(), g.data_ptr<T>(), qt.data_ptr<T>(), p.data_ptr<T>(), p.stride(0), p.stride(1), begin, end, m,
          r, static_cast<T>(decay));
@@ -308,7 +282,7 @@ void update_typed(const at::Tensor& e, const at::Tensor& g, const at::Tensor& p,
   const int64_t m = e.size(1), r = qt.size(0);
   auto* kernel = &update_rows_baseline<T>;
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (has_fma()) kernel = &update_rows_fma<T>;
+  if (vectors::cpu_has_fma()) kernel = &update_rows_fma<T>;
 #endif
   kernel(e.data_ptr<T>(), g.data_ptr<T>(), p.data_ptr<T>(), p.stride(0), p.stride(1), qt.data_ptr<T>(), begin, end, m,
          r);
@@ -319,7 +293,7 @@ void transposed_typed(const at::Tensor& a, const at::Tensor& p, const at::Tensor
                       int64_t block) {
   auto* kernel = &transposed_columns_baseline<T>;
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (has_fma()) kernel = &transposed_columns_fma<T>;
+  if (vectors::cpu_has_fma()) kernel = &transposed_columns_fma<T>;
 #endif
   kernel(a.data_ptr<T>(), p.data_ptr<T>(), p.stride(0), p.stride(1), qt.data_ptr<T>(), a.size(0), a.size(1),
          qt.size(0), k0, k1, block);

@@ -22,7 +22,9 @@ dtype) and a step is one Python call per pass (:func:`run_calls`).
 Not done, because it measured slower: running all of a step's passes column block by
 column block so that each block stays in cache (docs/benchmarks.md, issue 24). On this
 CPU a pass over a block in L2 was no faster than over the whole matrix, and the calls
-per block cost more than the cache saved, at every block size tried.
+per block cost more than the cache saved, at every block size tried. A compiled sweep
+pays no call per block: where cuda_ext's CPU module is loaded, the gossip mix is one
+(:func:`engine_cpu_passes`, csrc/engine_cpu.cpp).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@
   port free right now on 127.0.0.1) and ``child_env`` (the environment for a child
   process: no launcher variables, one thread, this checkout first on PYTHONPATH; see
   :func:`subprocesses.child_env`).
+* Order: the longest files first (:data:`LONGEST_FIRST`), so that under
+  ``-n auto --dist loadfile`` no worker is left with one of them at the end.
 """
 
 from __future__ import annotations
@@ -66,3 +68,25 @@ def free_port() -> int:
 def child_env() -> dict:
     """A fresh environment for a child process (a test may change it)."""
     return subprocesses.child_env()
+
+
+# The files whose tests take longest, longest first (wall seconds under `-n 2` on a
+# 2-core machine, 2026-11-25; test_cuda_ext first because on a fresh clone it builds
+# cuda_ext's CPU module, which other files then load). Under `--dist loadfile` each file
+# goes whole to one pytest worker, and a worker takes the next file when it is nearly
+# done: started first, these files do not leave one worker running alone at the end.
+# xdist's own order (files with more tests first) put several of them last.
+LONGEST_FIRST = (
+    "test_cuda_ext.py", "test_engine_equality.py", "test_benchmarks.py", "test_elastic_restarts.py",
+    "test_sweep.py", "test_netem.py", "test_comm.py", "test_elastic_launch.py", "test_exit.py",
+)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order below
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: position for position, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the others keep their order

@@ -26,7 +26,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,10 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.common import free_port  # noqa: E402
 SCRIPT = REPO / "examples" / "fault_tolerance.py"
 TRACKER = "latest_checkpointed_iteration.txt"
 FAMILIES = {
@@ -46,12 +49,6 @@ FAMILIES = {
     "compressed": ["powersgd", "bytegrad"],
 }
 LAUNCHERS = ("bagua", "torchrun")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_env() -> dict:

@@ -162,7 +162,7 @@ def load_cpu_passes():
 
     Besides the orthogonalization it holds the fused CPU passes that the package takes
     wherever this module is loaded (:func:`loaded_cpu_passes`): PowerSGD's three
-    (``csrc/powersgd_cpu.cpp``) and the one-process engine's gossip mix and relay step
+    (``csrc/powersgd_cpu.cpp``) and the one-process engine's D-PSGD mix
     (``csrc/engine_cpu.cpp``). Nothing in the package builds it by itself. Raises
     :class:`ExtensionUnavailable` if it cannot be built.
 

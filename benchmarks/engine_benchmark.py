@@ -174,6 +174,9 @@ class _TimedForm:
 def _passes_variants(args, device) -> dict:
     """The ways the forms' passes run in this comparison: ``torch`` (the row gathers, one
     pass a term) and, on the CPU, ``compiled`` (cuda_ext's engine passes, loaded here)."""
+    if device.type != "cpu" and args.passes == "compiled":
+        raise SystemExit(f"argument --passes: the compiled passes run on the CPU only, not on {device.type} "
+                         "(valid here: both, torch)")
     if device.type != "cpu" or args.passes == "torch":
         return {"torch": torch_passes_only}
     import cuda_ext

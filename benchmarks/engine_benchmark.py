@@ -309,6 +309,8 @@ def main(argv=None):
     p.add_argument("--sweep-epochs", type=int, default=5, help="epochs of the shortened sweep (default 5)")
     p.add_argument("--sweep-rounds", type=int, default=1, help="rounds of the sweep's three commands (default 1)")
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("argument --device: cuda, but torch sees no GPU here (valid here: cpu)")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if args.models is None:

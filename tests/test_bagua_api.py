@@ -173,6 +173,14 @@ def _async_checks(rank, n):
     steps(30)
     impl.abort(model)
     out["after_resume"] = model.weight.detach().clone()
+    # detach() stops the rounds (no final average): nothing moves the model afterwards
+    impl.resume(model)
+    steps(20)
+    model.bagua_ddp.detach()
+    rounds, weight = impl.rounds, model.weight.detach().clone()
+    time.sleep(0.1)  # 20 intervals of 5 ms
+    out["detached_still"] = (impl.rounds == rounds and torch.equal(model.weight, weight)
+                             and impl._future is None)
     return out
 
 
@@ -187,6 +195,7 @@ def test_async_model_average_converges_and_abort_resume_leave_equal_models():
         torch.testing.assert_close(results[0][key], results[1][key])  # the final synchronous average
         assert 0.05 < float(results[0][key].min()) and float(results[0][key].max()) < 0.95, key
     assert all(out["rounds"] > 0 for out in results)
+    assert all(out["detached_still"] for out in results)
 
 
 # ------------------------------------------------- a Bagua script under the launchers

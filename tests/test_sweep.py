@@ -203,3 +203,17 @@ def test_idle_cores_are_counted_now_not_from_the_lagging_load_average(tmp_path, 
     assert sweep.idle_cpus() == cpus
     monkeypatch.setattr(sweep, "busy_cpus", lambda sample_s: None)
     assert sweep.idle_cpus() == 1  # the load average, where /proc/stat cannot be read
+
+
+def test_async_runs_as_processes_and_stops_its_rounds_before_the_next_run(tmp_path):
+    """async has no stacked form, so the sweep runs processes; each run detaches its
+    model, which ends async's background rounds before the next run and the exit."""
+    result = run_sweep(
+        "--workers", "2", "--configs", "async:sync_interval_ms=5;allreduce_average", "--alphas", "0.1",
+        "--epochs", "1", "--max-steps-per-epoch", "4", "--out-dir", str(tmp_path), "--no-progress",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 workers on the processes engine (a config has no stacked form: async:" in result.stderr
+    assert "did not stop cleanly" not in result.stderr and "Traceback" not in result.stderr
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert [r["algorithm"] for r in report["all_runs"]] == ["async", "allreduce_average"]

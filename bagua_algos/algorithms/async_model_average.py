@@ -166,21 +166,38 @@ class AsyncModelAverageAlgorithmImpl(ModelAveragingAlgorithmImpl):
             threading._register_atexit(lambda: self._stop_at_exit(bagua_ddp))
             self._exit_hook_registered = True
 
-    def _stop_at_exit(self, bagua_ddp, timeout_s: float = 60.0) -> None:
-        """At interpreter exit without abort(): ask every worker to stop after the next
-        round (the stop flag travels in that round's allreduce) and wait for it. No
-        final synchronous average: the other workers may still be training."""
+    def _stop_rounds(self, bagua_ddp, timeout_s: float | None = None) -> None:
+        """Ask every worker to stop after the next round (the stop flag travels in that
+        round's allreduce) and wait for this worker's loop to end; re-raises what the
+        loop raised. No final average: the other workers may still be training. Without
+        ``timeout_s`` the wait is bounded by the thread group's timeout, which ends a
+        round whose peers are gone."""
         future = self._future
-        if future is None or future.done():
+        if future is None:
             return
         self._unlock(bagua_ddp)
         for op in self._ops(bagua_ddp):
             op.abort()
         try:
             future.result(timeout=timeout_s)
+        finally:
+            self._future = None
+
+    def _stop_at_exit(self, bagua_ddp, timeout_s: float = 60.0) -> None:
+        """At interpreter exit without abort() or detach(): stop the rounds, warn if
+        they do not end cleanly."""
+        try:
+            self._stop_rounds(bagua_ddp, timeout_s)
         except BaseException as error:  # noqa: BLE001 — at exit, report and let the process end
             warnings.warn(f"AsyncModelAverageAlgorithm: the background averaging did not stop cleanly at exit ({error!r}); "
                           "call model.bagua_algorithm.abort(model) on every worker before exiting", RuntimeWarning)
+
+    def on_detach(self, bagua_ddp) -> None:
+        """``detach()`` stops the background rounds (every worker's, after the same
+        round), so that no thread goes on writing a detached model or using the
+        process group; the parameters keep their values (no final average: that is
+        :meth:`abort`)."""
+        self._stop_rounds(bagua_ddp)
 
     def _loop(self, bagua_ddp) -> None:
         ops = self._ops(bagua_ddp)
@@ -200,10 +217,7 @@ class AsyncModelAverageAlgorithmImpl(ModelAveragingAlgorithmImpl):
             return
         self._unlock(bagua_ddp)
         comm.barrier(group=self.process_group)
-        for op in self._ops(bagua_ddp):
-            op.abort()
-        self._future.result()  # re-raises what the loop raised
-        self._future = None
+        self._stop_rounds(bagua_ddp)
         for bucket in bagua_ddp.bagua_buckets:
             flat = bucket.flat_view()
             comm.allreduce_inplace(flat, comm.ReduceOp.AVG, group=self.process_group)

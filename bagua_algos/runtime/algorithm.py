@@ -119,6 +119,11 @@ class AlgorithmImpl:
     def init_operations(self, bagua_ddp: "BaguaDistributedDataParallel", bucket: BaguaBucket) -> None:
         """Append to ``bucket`` (``bucket.append_*_op``) what runs once it is ready."""
 
+    def on_detach(self, bagua_ddp: "BaguaDistributedDataParallel") -> None:
+        """End what the algorithm runs outside its hooks (a background thread), called by
+        ``bagua_ddp.detach()`` before the hooks are removed. The default has nothing to
+        end. Not in Bagua 0.9, whose modules are never detached."""
+
     # --- hooks ----------------------------------------------------------------------
     def init_forward_pre_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> ForwardPreHook:
         def hook(input):

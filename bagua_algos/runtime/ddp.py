@@ -201,7 +201,10 @@ class BaguaDistributedDataParallel:
                 )
 
     def detach(self) -> None:
-        """Remove every hook (parameters keep their current values)."""
+        """Remove every hook (parameters keep their current values). An algorithm that
+        works in the background (``async``) stops first (``AlgorithmImpl.on_detach``):
+        detach on every worker then, as the round that carries the stop is collective."""
+        self.bagua_algorithm.on_detach(self)
         self._bagua_backend.wait_pending_comm_ops()
         for handle in self._framework_hooks + self._algorithm_hooks:
             handle.remove()

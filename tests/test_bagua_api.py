@@ -67,6 +67,8 @@ def _bagua_idiom(rank, n):
             out["padded"] = any(b.padding_tensor is not None for b in buckets)
             out["flat"] = all(b.check_flatten() for b in buckets)
             out["bytes"] = sum(b.bytes() for b in buckets)
+        if key == "own_gossip":  # Bagua's tests read the mixed weights under Bagua's name
+            out["peer_weight"] = model.bagua_buckets[0]._peer_weight.detach().clone()
     model, opt = _wrapped(bagua_idiom.FailingAlgorithm(), rank)
     x, y = batch(0, rank)
     try:
@@ -93,6 +95,8 @@ def test_bagua_style_allreduce_trains_exactly_like_gradient_allreduce(idiom_resu
 def test_bagua_style_gossip_trains_exactly_like_decentralized(idiom_results):
     for out in idiom_results:
         assert torch.equal(out["idiom_gossip"], out["own_gossip"])
+    # "all": every worker's last mixed weights are the same average
+    assert torch.equal(idiom_results[0]["peer_weight"], idiom_results[1]["peer_weight"])
 
 
 def test_an_error_in_an_op_reaches_the_training_thread_with_its_traceback(idiom_results):

@@ -77,6 +77,7 @@ class DecentralizedAlgorithmImpl(ModelAveragingAlgorithmImpl):
     def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
         peer_weight = bucket.flattened_tensor().ensure_bagua_tensor("peer_weight")
+        bucket._peer_weight = peer_weight  # Bagua's name: scripts and Bagua's tests read the mixed weights there
         bucket._decentralized_op = bucket.append_decentralized_synchronous_op(
             peer_weight=peer_weight,
             hierarchical=self.hierarchical,

@@ -234,7 +234,8 @@ def test_low_precision_decentralized_op_keeps_replicas_equal_to_their_owners(ops
     for t in range(3):
         for r in range(N):
             x, w, left, right, x_after, w_after, left_after, right_after = ops_results[r]["lpd"][t]
-            z = (x + left + right).div_(3).sub_(w)
+            # Bagua's kernel: x + left/3 + right/3 − 5w/3, summed in that order
+            z = x.clone().add_(left, alpha=1 / 3).add_(right, alpha=1 / 3).add_(w, alpha=-5 / 3)
             assert torch.equal(w_after, w + mm.decode(mm.encode(z, 8)))
             assert torch.equal(x_after, w_after)
             assert torch.equal(left_after, ops_results[(r - 1) % N]["lpd"][t][5])

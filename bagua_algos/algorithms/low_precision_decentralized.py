@@ -4,9 +4,10 @@ After each local step x_{t+½} = x_t − γ g_t, every worker mixes its weights 
 two ring neighbours' and exchanges only the 8-bit quantized *difference* (Tang et al.,
 "Communication compression for decentralized training", 2018, as Bagua implements it):
 
-    z_i     = (x_{t+½}^i + x̂^{i−1} + x̂^{i+1}) / 3 − x̂^i
+    z_i     = (x_{t+½}^i − x̂^i) + (x̂^{i−1} + x̂^i + x̂^{i+1}) / 3 − x̂^i
+            = x_{t+½}^i + x̂^{i−1} / 3 + x̂^{i+1} / 3 − 5 x̂^i / 3        (Bagua's kernel)
     x̂^i    ← x̂^i + Q(z_i)   (and each neighbour's replica of x̂^i moves by the same Q(z_i))
-    x_{t+1}^i = x̂^i
+    x_{t+1}^i = x̂^i ≈ Σ_j W_ij x̂^j − γ g_t   (x̂^i is where the local step started)
 
 where x̂^j are the copies every neighbour keeps of worker j's weights, Q the MinMaxUInt8
 codec. The op is :class:`bagua_algos.runtime.ops.LowPrecisionDecentralizedSynchronousOp`;

@@ -426,14 +426,20 @@ def ring_peers(index: int, size: int) -> tuple:
 def low_precision_difference(x: torch.Tensor, weight: torch.Tensor, left: Optional[torch.Tensor] = None,
                              right: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The change a low-precision decentralized worker quantizes and sends, a new tensor:
-    z = (x + x̂_left + x̂_right) / 3 − x̂ on the ring, z = x − x̂ for a worker without ring
-    neighbours (one gossiping worker: the ring of one). Elementwise, so the rows of
-    stacked workers (``[n, d]``, neighbours' rows gathered) give each worker's own z."""
+
+        z = (x − x̂) + ((x̂_left + x̂ + x̂_right) / 3 − x̂) = x + x̂_left / 3 + x̂_right / 3 − 5 x̂ / 3
+
+    on the ring: the local steps since the last exchange (x − x̂, as x̂ is where they
+    started) plus the ring's mixing of the copies, so x̂ + z = W x̂ − γ Σ g (Tang et al.'s
+    DCD-PSGD); summed in Bagua's kernel's order (x, then x̂_left, x̂_right, x̂ with
+    factors 1/3, 1/3, −5/3). z = x − x̂ for a worker without ring neighbours (one
+    gossiping worker: the ring of one). Elementwise, so the rows of stacked workers
+    (``[n, d]``, neighbours' rows gathered) give each worker's own z."""
     if left is None and right is None:
         return x - weight
     if left is None or right is None:
         raise ValueError("left and right go together: give both ring neighbours' copies, or neither")
-    return (x + left + right).div_(3).sub_(weight)
+    return torch.add(x, left, alpha=1 / 3).add_(right, alpha=1 / 3).add_(weight, alpha=-5 / 3)
 
 
 class LowPrecisionDecentralizedSynchronousOp:
@@ -444,7 +450,8 @@ class LowPrecisionDecentralizedSynchronousOp:
     replicas l = x̂_{i-1}, r = x̂_{i+1} of its ring neighbours' (all equal to the
     initial model). With x the weights after the local step (x_t − γ g_t):
 
-        z   = (x + l + r) / 3 − w                 (the ring's mixing, minus w)
+        z   = x + l / 3 + r / 3 − 5 w / 3        ((x − w) + (l + w + r) / 3 − w: the
+                                                  local steps plus the ring's mixing)
         send Q(z) to both neighbours, receive Q(z_{i-1}), Q(z_{i+1})
         w  ← w + D(Q(z)),  l ← l + D(Q(z_{i-1})),  r ← r + D(Q(z_{i+1}))
         x  ← w

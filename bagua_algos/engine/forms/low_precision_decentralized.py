@@ -7,7 +7,7 @@ weights its neighbours hold, and replicas of x̂_{i−1} and x̂_{i+1}; a replic
 very bytes its owner applies, so it always equals the owner's x̂ bit for bit, and the
 stacked form keeps one matrix W (row i = x̂_i) and reads the replicas as W's rows i ∓ 1:
 
-    z_i  = (x_i + x̂_{i−1} + x̂_{i+1}) / 3 − x̂_i      (z = x − x̂ for one worker)
+    z_i  = x_i + x̂_{i−1} / 3 + x̂_{i+1} / 3 − 5 x̂_i / 3      (z = x − x̂ for one worker)
     x̂_i ← x̂_i + D(Q(z_i)),   x_i ← x̂_i
 
 with Q the 8-bit min-max codec, one header per worker's bucket (each bucket of every

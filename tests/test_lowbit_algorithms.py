@@ -246,6 +246,20 @@ def test_low_precision_decentralized_op_keeps_replicas_equal_to_their_owners(ops
     assert spread_mixed < spread_local
 
 
+def test_low_precision_difference_is_the_local_step_plus_the_rings_mixing():
+    """Without quantization a worker's new copy x̂ + z is DCD-PSGD's step, W x̂ + (x − x̂):
+    the ring's mixing of the copies (weights 1/3) plus the local steps taken since x̂."""
+    from bagua_algos.runtime.ops import low_precision_difference
+
+    g = torch.Generator().manual_seed(3)
+    w, left, right, x = (torch.randn(50, dtype=torch.float64, generator=g) for _ in range(4))
+    z = low_precision_difference(x, w, left, right)
+    torch.testing.assert_close(w + z, (left + w + right) / 3 + (x - w))
+    torch.testing.assert_close(low_precision_difference(x, w), x - w)  # no ring neighbours
+    with pytest.raises(ValueError, match="left and right go together"):
+        low_precision_difference(x, w, left)
+
+
 def test_bytes_sent_per_collective(ops_results):
     f = 48
     for r in range(N):

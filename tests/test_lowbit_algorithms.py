@@ -446,9 +446,10 @@ def test_the_quantized_algorithms_differ_from_exact_averaging(train_results):
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
 def test_qadam_optimizer_is_baguas_update_by_default_and_frozen_on_request(weight_decay):
     """Bagua 0.9.2's QAdamOptimizer.step, written out: m and v follow the gradient while
-    step < warmup_steps; every step x ← x − lr/(1−β1^s) · m/(√v/√(1−β2^s) + eps), with s
-    the step count throughout, and weight_decay is not applied. The frozen variant keeps
-    1−β2^s at the last warm-up step and adds wd·x to the gradient."""
+    step < warmup_steps, from the gradient plus wd·x; every step x ← x − lr/(1−β1^s) ·
+    m/(√v/√(1−β2^s) + eps), with s the step count throughout. The frozen variant keeps
+    1−β2^s at the last warm-up step (the algorithm's compression phase applies wd to
+    its momentum in that variant only)."""
     from bagua_algos.algorithms import QAdamOptimizer
 
     lr, (b1, b2), eps, warmup = 0.01, (0.9, 0.999), 1e-8, 4
@@ -457,7 +458,7 @@ def test_qadam_optimizer_is_baguas_update_by_default_and_frozen_on_request(weigh
     grads = [torch.randn(7, generator=g) for _ in range(10)]
     for variant in ("bagua", "frozen"):
         p = torch.nn.Parameter(x0.clone())
-        with pytest.warns(UserWarning, match="does not apply the weight decay") if (
+        with pytest.warns(UserWarning, match="applies the weight decay during the warm-up only") if (
                 variant == "bagua" and weight_decay) else contextlib.nullcontext():
             kwargs = {} if variant == "bagua" else {"variant": "frozen"}
             opt = QAdamOptimizer([p], lr=lr, warmup_steps=warmup, weight_decay=weight_decay, **kwargs)
@@ -465,7 +466,7 @@ def test_qadam_optimizer_is_baguas_update_by_default_and_frozen_on_request(weigh
         for s, grad in enumerate(grads, start=1):
             p.grad = grad.clone()
             opt.step()
-            gd = grad.double() + (weight_decay * x if variant == "frozen" else 0)
+            gd = grad.double() + weight_decay * x
             if s < warmup:
                 m, v = b1 * m + (1 - b1) * gd, b2 * v + (1 - b2) * gd * gd
             v_step = s if variant == "bagua" else min(s, warmup - 1)
@@ -476,13 +477,38 @@ def test_qadam_optimizer_is_baguas_update_by_default_and_frozen_on_request(weigh
         QAdamOptimizer([torch.nn.Parameter(torch.zeros(2))], variant="other")
 
 
+def test_qadam_warmup_is_torch_adam_with_weight_decay():
+    """Bagua's own tests/torch_api/test_qadam.py: during the warm-up QAdamOptimizer is
+    torch.optim.Adam, weight decay included (1000 steps of a small net, same loss)."""
+    import warnings
+
+    from bagua_algos.algorithms import QAdamOptimizer
+
+    def final_loss(make_optimizer):
+        torch.manual_seed(13)
+        net = torch.nn.Sequential(torch.nn.Linear(2, 10, bias=False), torch.nn.ReLU(), torch.nn.Linear(10, 4))
+        opt = make_optimizer(net.parameters())
+        for _ in range(300):
+            x, y = torch.randn(4, 2), torch.randn(4, 4)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(torch.softmax(net(x), dim=1), y)
+            loss.backward()
+            opt.step()
+        return loss.item()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = final_loss(lambda p: QAdamOptimizer(p, lr=0.001, weight_decay=0.1, warmup_steps=2000))
+    assert ours == final_loss(lambda p: torch.optim.Adam(p, lr=0.001, weight_decay=0.1, foreach=False))
+
+
 @torch.no_grad()
 def _adam_step_one_parameter_at_a_time(opt):
     """QAdamOptimizer's update written one parameter at a time (the oracle of its _foreach step)."""
     import math
 
     for group in opt.param_groups:
-        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], opt._decay(group)
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         for param in group["params"]:
             if param.grad is None:
                 continue
@@ -502,7 +528,8 @@ def _adam_step_one_parameter_at_a_time(opt):
             param.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
 
 
-@pytest.mark.parametrize("variant,weight_decay,warmup", [("bagua", 0.0, 4), ("frozen", 0.01, 4), ("bagua", 0.0, 100)])
+@pytest.mark.parametrize("variant,weight_decay,warmup",
+                         [("bagua", 0.0, 4), ("frozen", 0.01, 4), ("bagua", 0.01, 4), ("bagua", 0.0, 100)])
 def test_qadam_foreach_step_equals_the_per_parameter_loop_bit_for_bit(variant, weight_decay, warmup):
     """QAdamOptimizer.step runs _foreach ops over runs of parameters; the oracle is the
     update one parameter at a time. Same numbers, with a parameter skipped (no gradient)

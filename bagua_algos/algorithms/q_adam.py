@@ -14,7 +14,9 @@ Two phases, switched once the optimizer has taken ``warmup_steps`` steps:
 
 - ``"bagua"`` (the default): Bagua 0.9.2's update, number for number: the bias
   correction 1−β2^s keeps following the step count after the warm-up, and
-  ``weight_decay`` is accepted but not applied (as in Bagua's file; a warning says so).
+  ``weight_decay`` is applied during the warm-up only (the optimizer's own Adam
+  update adds wd·x to the gradient; the compression phase's momentum takes the raw
+  gradient, as Bagua's Python op does; a warning says so).
 - ``"frozen"``: v̂ = v/(1−β2^s) is frozen with v, its bias correction staying at the
   last warm-up step, and ``weight_decay`` is applied as an L2 term, g ← g + wd·x. With
   Bagua's update 1−β2^s keeps growing towards 1 after a short warm-up, so v̂ shrinks and
@@ -83,8 +85,9 @@ class QAdamOptimizer(Optimizer):
             Bagua accepts 1, which leaves v at zero).
         betas: (β1, β2), each in [0, 1).
         eps: added to the denominator (>= 0).
-        weight_decay: L2 penalty added to the gradient (>= 0); applied by the
-            ``"frozen"`` variant only, as Bagua's own optimizer does not apply it.
+        weight_decay: L2 penalty added to the gradient (>= 0): during the warm-up
+            in both variants; in the compression phase by ``"frozen"`` only (Bagua's
+            momentum op takes the raw gradient).
         variant: ``"bagua"`` (Bagua 0.9.2's update, the default) or ``"frozen"`` (v̂
             and its bias correction frozen after the warm-up; weight decay applied):
             see the module's documentation.
@@ -107,15 +110,17 @@ class QAdamOptimizer(Optimizer):
         variant = check_choice("variant", variant, self.VARIANTS)
         if variant == "bagua" and weight_decay > 0:
             warnings.warn(
-                f"QAdamOptimizer(weight_decay={weight_decay}) with variant='bagua' does not apply the weight decay, "
-                "as Bagua 0.9's QAdamOptimizer does not; pass variant='frozen' to apply it", UserWarning, stacklevel=2)
+                f"QAdamOptimizer(weight_decay={weight_decay}) with variant='bagua' applies the weight decay during the "
+                "warm-up only, as Bagua 0.9's QAdam does; pass variant='frozen' to apply it after the warm-up too",
+                UserWarning, stacklevel=2)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.warmup_steps = warmup_steps
         self.variant = variant
 
     def _decay(self, group) -> float:
-        """The L2 coefficient actually applied to this group's gradients."""
+        """The L2 coefficient the compression phase's momentum applies to this group's
+        gradients (the warm-up's Adam update always applies ``weight_decay``)."""
         return group["weight_decay"] if self.variant == "frozen" else 0.0
 
     @torch.no_grad()
@@ -129,7 +134,7 @@ class QAdamOptimizer(Optimizer):
             # count, device and dtype, instead of ~8 ops per parameter (the test
             # test_qadam_foreach_step_equals_the_per_parameter_loop_bit_for_bit holds
             # it to the loop one parameter at a time).
-            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], self._decay(group)
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             runs: dict = {}
             for param in group["params"]:
                 if param.grad is None:
@@ -237,7 +242,7 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
 
         def calculate_momentum(bucket_name):
             # m_i ← β1 m + (1 − β1)(g_i + wd·x), the worker's own momentum, then averaged
-            # (wd = 0 in Bagua's variant).
+            # (wd = 0 after the warm-up in Bagua's variant).
             with torch.no_grad():
                 for tensor in bucket.tensors:
                     group = self._group_of[id(tensor)]

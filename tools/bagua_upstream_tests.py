@@ -1,0 +1,105 @@
+"""Run Bagua's own tests (``tests/`` of a BaguaSys/bagua checkout) against this plugin's
+compatibility package, on the CPU.
+
+    python tools/bagua_upstream_tests.py --bagua ~/src/bagua                # the default files
+    python tools/bagua_upstream_tests.py --bagua ~/src/bagua tests/torch_api/test_qadam.py
+
+Bagua's tests are written for GPUs: they call ``.cuda()`` and ``torch.cuda.set_device``,
+take ``torch.cuda.device_count()`` workers and skip without CUDA. Their copy here runs
+with a shim (a ``sitecustomize`` on the workers' path) in which ``.cuda()`` leaves a
+tensor or module on the CPU, ``set_device`` does nothing and the device count is
+``--workers``; the plugin then picks gloo. Two things of the copies are patched, both
+in the tests' own harness, never in what they check: the skip helpers of
+``tests/__init__.py`` skip nothing, and the shared FileStore file of the torch
+reference runs is removed before each run (the reference groups are never destroyed,
+so a later run would read an earlier run's keys). ``inspect.getargspec`` (gone in
+Python 3.11) is aliased to ``getfullargspec``.
+
+What it cannot change: each test joins its worker processes with a 60 s timeout, which
+1000-step tests of 4 workers can exceed on a machine with few cores (docs/bagua_api.md
+has the results and timings). Nothing here needs a network: give a local checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_FILES = [
+    "tests/torch_api/test_utils.py", "tests/torch_api/test_gradient_allreduce.py",
+    "tests/torch_api/test_decentralized.py", "tests/torch_api/test_low_precision_decentralized.py",
+    "tests/torch_api/test_async_model_average.py", "tests/torch_api/test_multi_models.py",
+    "tests/torch_api/test_broadcast_state.py", "tests/torch_api/test_process_group.py",
+    "tests/torch_api/test_qadam.py", "tests/torch_api/test_bagua_module.py",
+]
+
+SHIM = '''\
+import os
+if os.environ.get("BAGUA_CPU_SHIM"):
+    import inspect
+    import torch
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.nn.Module.cuda = lambda self, *args, **kwargs: self
+    torch.cuda.set_device = lambda *args, **kwargs: None
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.device_count = lambda: int(os.environ["BAGUA_CPU_SHIM"])
+    if not hasattr(inspect, "getargspec"):
+        inspect.getargspec = inspect.getfullargspec
+'''
+
+SKIP_HELPERS = '''\
+def skip_if_cuda_available():
+    return lambda func: func
+
+
+def skip_if_cuda_not_available():
+    return lambda func: func
+'''
+
+STORE = "/tmp/.bagua.test.filestore"
+_CLEAR = f'__import__("os").path.exists("{STORE}") and __import__("os").remove("{STORE}")'
+
+
+def prepared_copy(bagua: Path, into: Path) -> Path:
+    """Bagua's ``tests/`` copied under ``into``, its harness patched (module docstring)."""
+    source = bagua / "tests"
+    if not (source / "torch_api").is_dir():
+        raise SystemExit(f"--bagua {bagua}: no tests/torch_api there; give a checkout of BaguaSys/bagua")
+    shutil.copytree(source, into / "tests")
+    (into / "tests" / "__init__.py").write_text(SKIP_HELPERS)
+    for path in (into / "tests").rglob("test_*.py"):
+        text = path.read_text()
+        if STORE in text:  # clear the store file at the start of every test method
+            text = re.sub(r"(\n    def test_\w+\(self[^)]*\):\n)", rf"\1        {_CLEAR}\n", text)
+            text = re.sub(r"(\n    def run_diff_locally\([^)]*\):\n)", rf"\1        {_CLEAR}\n", text)
+            path.write_text(text)
+    (into / "shim").mkdir()
+    (into / "shim" / "sitecustomize.py").write_text(SHIM)
+    return into
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bagua", type=Path, required=True, help="a checkout of BaguaSys/bagua")
+    parser.add_argument("--workers", type=int, default=4, help="the device count the shim reports (default 4)")
+    parser.add_argument("files", nargs="*", help=f"test files, relative to the checkout (default: {len(DEFAULT_FILES)})")
+    args = parser.parse_args(argv)
+    if args.workers < 2:
+        parser.error(f"--workers: at least 2 (Bagua's tests start that many processes), got {args.workers}")
+    with tempfile.TemporaryDirectory(prefix="bagua_tests_") as tmp:
+        root = prepared_copy(args.bagua.expanduser().resolve(), Path(tmp))
+        env = dict(os.environ, BAGUA_CPU_SHIM=str(args.workers), PYTHONPATH=os.pathsep.join(
+            [str(root / "shim"), str(REPO / "bagua_algos" / "compat"), str(root), str(REPO)]))
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(args.files or DEFAULT_FILES)]
+        return subprocess.call(command, cwd=root, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

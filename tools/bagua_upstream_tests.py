@@ -8,8 +8,8 @@ Bagua's tests are written for GPUs: they call ``.cuda()`` and ``torch.cuda.set_d
 take ``torch.cuda.device_count()`` workers and skip without CUDA. Their copy here runs
 with a shim (a ``sitecustomize`` on the workers' path) in which ``.cuda()`` leaves a
 tensor or module on the CPU, ``set_device`` does nothing and the device count is
-``--workers``, and torch's DDP (the tests' reference runs) drops its device ids; the
-plugin then picks gloo. Two things of the copies are patched, both
+``--workers``, torch's DDP (the tests' reference runs) drops its device ids and a
+reference group asked for NCCL gets gloo; the plugin picks gloo by itself. Two things of the copies are patched, both
 in the tests' own harness, never in what they check: the skip helpers of
 ``tests/__init__.py`` skip nothing, and the shared FileStore file of the torch
 reference runs is removed before each run (the reference groups are never destroyed,
@@ -61,6 +61,16 @@ if os.environ.get("BAGUA_CPU_SHIM"):
         _ddp_init(self, module, None, None, *args, **kwargs)
 
     torch.nn.parallel.DistributedDataParallel.__init__ = _ddp_on_cpu
+    import torch.distributed as _dist
+    _init_group = _dist.init_process_group
+
+    def _gloo_for_nccl(*args, **kwargs):
+        # a reference run that asks for NCCL gets gloo: there is no GPU
+        if kwargs.get("backend") == "nccl":
+            kwargs["backend"] = "gloo"
+        return _init_group(*args, **kwargs)
+
+    _dist.init_process_group = _gloo_for_nccl
 '''
 
 SKIP_HELPERS = '''\

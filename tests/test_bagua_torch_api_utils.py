@@ -61,10 +61,13 @@ def test_average_by_removing_extreme_values_drops_warmup_and_outliers(utils):
     assert mean == pytest.approx(10.0) and std == pytest.approx(np.std(kept))
 
 
-def test_statistical_average_blends_a_new_value_into_every_window(utils):
-    """Bagua's own example (tests/torch_api/test_utils.py), without its one-second sleep."""
-    m = utils.StatisticalAverage(last_update_time=time.time() - 1.0, records=[5.0, 4.5005175, 3.5034241850204078],
+def test_statistical_average_blends_a_new_value_into_every_window(utils, monkeypatch):
+    """Bagua's own example (tests/torch_api/test_utils.py), its one-second sleep replaced
+    by a clock that reads exactly one second later."""
+    now = time.time()
+    m = utils.StatisticalAverage(last_update_time=now - 1.0, records=[5.0, 4.5005175, 3.5034241850204078],
                                  record_tail=(2.0166309999999985, 2.499061185570463))
+    monkeypatch.setattr(utils.time, "time", lambda: now)
     m.record(6.0)
     for seconds, mean in [(1.0, 6.0), (2.0, (6.0 + 5.0) / 2), (3.0, (6.0 + 4.5005175 * 2) / 3),
                           (5.0, (6.0 + 3.5034241850204078 * 4) / 5),

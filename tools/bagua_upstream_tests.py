@@ -40,6 +40,9 @@ DEFAULT_FILES = [
     "tests/torch_api/test_async_model_average.py", "tests/torch_api/test_multi_models.py",
     "tests/torch_api/test_broadcast_state.py",
     "tests/torch_api/test_qadam.py", "tests/torch_api/test_bagua_module.py",
+    *(f"tests/torch_api/data_parallel/test_{name}.py" for name in (
+        "decentralized", "gradient_allreduce", "low_precision_decentralized", "multi_models", "broadcast_state",
+        "async_model_average", "bagua_module")),
 ]
 
 SHIM = '''\

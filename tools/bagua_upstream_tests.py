@@ -6,11 +6,11 @@ compatibility package, on the CPU.
 
 Bagua's tests are written for GPUs: they call ``.cuda()`` and ``torch.cuda.set_device``,
 take ``torch.cuda.device_count()`` workers and skip without CUDA. Their copy here runs
-with a shim (a ``sitecustomize`` on the workers' path) in which ``.cuda()`` leaves a
-tensor or module on the CPU, ``set_device`` does nothing and the device count is
-``--workers``, torch's DDP (the tests' reference runs) drops its device ids and a
-reference group asked for NCCL gets gloo; the plugin picks gloo by itself. Two things of the copies are patched, both
-in the tests' own harness, never in what they check: the skip helpers of
+with a shim (a ``sitecustomize`` on the workers' path): ``.cuda()`` leaves a tensor or
+module on the CPU, ``set_device`` does nothing, the device count is ``--workers``,
+torch's DDP (the tests' reference runs) drops its device ids, and a reference group
+asked for NCCL gets gloo (the plugin picks gloo by itself). Two things of the copies
+are patched, both in the tests' own harness, never in what they check: the skip helpers of
 ``tests/__init__.py`` skip nothing, and the shared FileStore file of the torch
 reference runs is removed before each run (the reference groups are never destroyed,
 so a later run would read an earlier run's keys). ``inspect.getargspec`` (gone in

@@ -146,9 +146,7 @@ class TernGradAlgorithmImpl(AlgorithmImpl):
                                              stochastic=self.stochastic, generator=generator)
             if self.error_feedback:
                 # e ← v − D(Q(v)): the error of this worker's own (first) quantization.
-                chunk = -(-v.numel() // self.world_size)
-                sent_values = minmax.decode_chunks(sent, self.world_size, bits=self.bits, numel=chunk).reshape(-1)[: v.numel()]
-                bucket.state["terngrad_error"].copy_(v.sub_(sent_values))
+                bucket.state["terngrad_error"].copy_(v.sub_(sent))
             flat.copy_(result)
         bucket.write_flat(flat)
 

@@ -22,6 +22,7 @@ import torch
 from ..arguments import check_int
 from ..runtime.bucket import DEFAULT_BUCKET_SIZE
 from .forms import form_for
+from .runtime import StackedRuntime
 from .stacked import Layout, StackedModel
 
 __all__ = ["Engine"]
@@ -52,15 +53,24 @@ class Engine:
         self.device = torch.device(device)
         self.algorithm = algorithm
         form_class = form_for(algorithm)
-        layout = Layout.of(module, alignment=form_class.alignment(algorithm, self.n), bucket_size=bucket_size)
-        self.model = StackedModel(module, self.n, layout, self.device)
-        self.optimizer = form_class.make_optimizer(algorithm, self.model.params, optimizer)
-        self.form = form_class(algorithm, self)
+        self.runtime = None
+        self.form = None
+        if form_class is None:  # the algorithm's own hooks and ops, on stacked buckets
+            self.runtime = StackedRuntime(module, self.n, algorithm, optimizer, self.device, bucket_size)
+            self.model = self.runtime.model
+            self.optimizer = self.runtime.bagua_optimizers[0]
+        else:
+            layout = Layout.of(module, alignment=form_class.alignment(algorithm, self.n), bucket_size=bucket_size)
+            self.model = StackedModel(module, self.n, layout, self.device)
+            self.optimizer = form_class.make_optimizer(algorithm, self.model.params, optimizer)
+            self.form = form_class(algorithm, self)
         self.steps = 0  # bagua_train_step_counter
 
     def step(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor:
         """One step of every worker; returns the ``[n]`` losses (detached)."""
         self.steps += 1
+        if self.runtime is not None:
+            return self.runtime.step(x, y, loss_fn)
         self.form.before_forward(self.steps)
         losses = self.model.forward_backward(x, y, loss_fn)  # overwrites every gradient
         self.form.after_backward(self.steps)

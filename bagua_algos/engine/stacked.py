@@ -87,19 +87,42 @@ class Layout:
         named.reverse()
         groups = bucket_groups([p.numel() * p.element_size() for _, p in named],
                                [(p.dtype, p.device) for _, p in named], bucket_size)
-        slots, buckets, offset = [], [], 0
+        named_groups = []
         for index, group in enumerate(groups):
-            start = offset
-            members = []
-            for i in group:
-                name, param = named[i]
-                members.append(Slot(name, tuple(param.shape), offset, param.numel()))
-                offset += param.numel()
-            numel = offset - start
-            offset += (-numel) % alignment
-            slots.extend(members)
-            buckets.append(BucketRange(str(index), start, offset, numel, tuple(members)))
-        return cls(tuple(slots), tuple(buckets), offset)
+            numel = sum(named[i][1].numel() for i in group)
+            named_groups.append((str(index), [named[i] for i in group], (-numel) % alignment))
+        return _layout_from(named_groups)
+
+    @classmethod
+    def of_buckets(cls, module: torch.nn.Module, groups) -> "Layout":
+        """The layout of an algorithm's buckets: ``groups`` is ``(bucket name,
+        [parameter name, ...], padding)`` per bucket, in bucket order."""
+        params = dict(module.named_parameters())
+        seen = set()
+        named_groups = []
+        for bucket_name, names, padding in groups:
+            for name in names:
+                if name in seen:
+                    raise ValueError(f"parameter {name!r} is in two buckets")
+                seen.add(name)
+            named_groups.append((bucket_name, [(name, params[name]) for name in names], padding))
+        return _layout_from(named_groups)
+
+
+def _layout_from(named_groups) -> "Layout":
+    """A layout from ``(bucket name, [(parameter name, parameter), ...], padding)``."""
+    slots, buckets, offset = [], [], 0
+    for bucket_name, members, padding in named_groups:
+        start = offset
+        bucket_slots = []
+        for name, param in members:
+            bucket_slots.append(Slot(name, tuple(param.shape), offset, param.numel()))
+            offset += param.numel()
+        numel = offset - start
+        offset += padding
+        slots.extend(bucket_slots)
+        buckets.append(BucketRange(bucket_name, start, offset, numel, tuple(bucket_slots)))
+    return Layout(tuple(slots), tuple(buckets), offset)
 
 
 class StackedModel:

@@ -39,6 +39,7 @@ import torch
 
 from ..arguments import check_int
 from . import ops
+from .comm import stacked as comm_stacked
 from .tensor import BaguaTensor
 
 __all__ = ["BaguaBucket", "split_into_buckets", "aligned_buckets", "DEFAULT_BUCKET_SIZE", "FIRST_BUCKET_SIZE",
@@ -77,6 +78,12 @@ class BaguaBucket:
         module_names = {t.bagua_module_name for t in tensors}
         if len(module_names) > 1:
             raise ValueError(f"bucket {name!r}: every tensor must belong to one module, got {sorted(map(str, module_names))}")
+        # On the one-process engine every effective tensor is stacked, [n, *shape] (one
+        # row a worker): the bucket's sizes are a worker's, its flat tensors [n, numel].
+        world = comm_stacked.active_world()
+        self.workers: Optional[int] = None if world is None else world.n
+        """None in a job; on the one-process engine, the number of stacked workers."""
+        self._lead = () if world is None else (world.n,)
         first = _effective_or_proxy(tensors[0])
         for tensor in tensors:
             effective = _effective_or_proxy(tensor)
@@ -86,6 +93,9 @@ class BaguaBucket:
                     f"{effective.dtype} on {effective.device}, {tensors[0].bagua_tensor_name!r} is "
                     f"{first.dtype} on {first.device}"
                 )
+            if world is not None and (effective.dim() == 0 or effective.shape[0] != world.n):
+                raise ValueError(f"bucket {name!r}: on the one-process engine {tensor.bagua_tensor_name!r} must be "
+                                 f"stacked, [{world.n}, ...] (a row per worker), got {tuple(effective.shape)}")
         self.tensors = tensors
         """The Bagua tensors of the bucket (the padding tensor excluded)."""
         self.name = name
@@ -93,16 +103,20 @@ class BaguaBucket:
         self.dtype = first.dtype
         self.device = first.device
         self.padding_tensor = None
-        total = sum(_effective_or_proxy(t).numel() for t in tensors)
+        total = sum(self._worker_numel(t) for t in tensors)
         if alignment > 1 and total % alignment:
             padding = alignment - total % alignment
-            self.padding_tensor = torch.zeros(padding, dtype=self.dtype, device=self.device).ensure_bagua_tensor(
+            values = None if world is None else world.padding_view(self.name, _effective_or_proxy(tensors[-1]), padding)
+            if values is None:
+                values = torch.zeros(*self._lead, padding, dtype=self.dtype, device=self.device)
+            self.padding_tensor = values.ensure_bagua_tensor(
                 "bagua_padding_tensor_bucket_" + name, module_name=self.bagua_module_name
             )
         self._all_tensors = tensors + ([self.padding_tensor] if self.padding_tensor is not None else [])
-        self._shapes = [_effective_or_proxy(t).shape for t in self._all_tensors]
-        self._numels = [int(_effective_or_proxy(t).numel()) for t in self._all_tensors]
+        self._shapes = [_effective_or_proxy(t).shape[len(self._lead):] for t in self._all_tensors]
+        self._numels = [self._worker_numel(t) for t in self._all_tensors]
         self.numel = sum(self._numels)
+        """A worker's number of values (padding included)."""
         self.flatten = flatten
         self.backend_tensor: Optional[torch.Tensor] = None
         """With ``flatten``: the buffer holding every effective tensor, in order."""
@@ -114,10 +128,15 @@ class BaguaBucket:
         for tensor in self._all_tensors:
             tensor._bagua_bucket = self
 
+    def _worker_numel(self, tensor) -> int:
+        effective = _effective_or_proxy(tensor)
+        return int(effective.numel()) // (self.workers or 1)
+
     # --- flattening ---------------------------------------------------------------------
     def flattened_tensor(self) -> torch.Tensor:
-        """A new 1-D tensor holding the effective tensors (padding included), in order."""
-        out = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        """A new 1-D tensor holding the effective tensors (padding included), in order
+        (on the one-process engine ``[n, numel]``, a row per worker)."""
+        out = torch.empty(*self._lead, self.numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for chunk, tensor in zip(self._chunks(out), self._all_tensors):
                 effective = tensor.bagua_getter_closure()
@@ -131,26 +150,36 @@ class BaguaBucket:
         """Move every effective tensor into one buffer (in place: same tensor objects)."""
         if self.check_flatten():
             first = self._all_tensors[0].bagua_getter_closure()
+            size, stride = (*self._lead, self.numel), ((first.stride(0), 1) if self.workers else (1,))
             self.backend_tensor = torch.empty(0, dtype=self.dtype, device=self.device).set_(
-                first.untyped_storage(), first.storage_offset(), (self.numel,), (1,))
+                first.untyped_storage(), first.storage_offset(), size, stride)
             return
         buffer = self.flattened_tensor()
         self.backend_tensor = buffer
-        offset = 0
-        for tensor, n, shape in zip(self._all_tensors, self._numels, self._shapes):
+        for tensor, chunk in zip(self._all_tensors, self._chunks(buffer)):
             if tensor.bagua_getter_closure() is None:
-                tensor.bagua_setter_closure(buffer[offset:offset + n].view(shape))
+                tensor.bagua_setter_closure(chunk)
             else:
-                tensor.bagua_set_storage(buffer.untyped_storage(), buffer.storage_offset() + offset)
-            offset += n
+                _set_storage(tensor, chunk)
 
     def check_flatten(self) -> bool:
-        """True if the effective tensors lie one after the other in one storage."""
+        """True if the effective tensors lie one after the other in one storage (on the
+        one-process engine: in consecutive columns of the rows of one storage)."""
         expected = None
         storage = None
+        row_stride = None
         for tensor, n in zip(self._all_tensors, self._numels):
             effective = tensor.bagua_getter_closure()
-            if effective is None or not effective.is_contiguous():
+            if effective is None:
+                return False
+            if self.workers:
+                if effective.dim() < 1 or not effective[0].is_contiguous():
+                    return False
+                if row_stride is None:
+                    row_stride = effective.stride(0)
+                elif effective.stride(0) != row_stride:
+                    return False
+            elif not effective.is_contiguous():
                 return False
             if storage is None:
                 storage = effective.untyped_storage().data_ptr()
@@ -163,7 +192,7 @@ class BaguaBucket:
     def bytes(self) -> int:
         """Bytes of the bucket's effective tensors (the padding excluded)."""
         item = torch.empty((), dtype=self.dtype).element_size()
-        return sum(self._numels[: len(self.tensors)]) * item
+        return sum(self._numels[: len(self.tensors)]) * item  # (a worker's, on the engine too)
 
     def _before_ops(self) -> None:
         """Put every effective tensor back into its place in ``backend_tensor``.
@@ -175,13 +204,10 @@ class BaguaBucket:
         if not self.flatten:
             return
         buffer = self.backend_tensor
-        offset = 0
         with torch.no_grad():
-            for tensor, n, shape in zip(self._all_tensors, self._numels, self._shapes):
+            for tensor, view in zip(self._all_tensors, self._chunks(buffer)):
                 effective = tensor.bagua_getter_closure()
-                view = buffer[offset:offset + n]
                 if effective is None or effective.data_ptr() != view.data_ptr():
-                    view = view.view(shape)
                     if effective is None:
                         view.zero_()
                     else:
@@ -190,7 +216,6 @@ class BaguaBucket:
                         tensor.bagua_setter_closure(view)
                     else:
                         effective.set_(view)
-                offset += n
 
     # --- flat access (for ops and for algorithms that work on whole buckets) ----------
     def flat_view(self) -> torch.Tensor:
@@ -214,9 +239,10 @@ class BaguaBucket:
                     effective.copy_(chunk)
 
     def _chunks(self, flat: torch.Tensor):
+        """Each effective tensor's place in ``flat`` (``[..., numel]``), as a view."""
         offset = 0
         for n, shape in zip(self._numels, self._shapes):
-            yield flat[offset:offset + n].view(shape)
+            yield flat[..., offset:offset + n].view(*flat.shape[:-1], *shape)
             offset += n
 
     # --- ops ----------------------------------------------------------------------------
@@ -312,6 +338,17 @@ class BaguaBucket:
         return f"BaguaBucket({self.name!r}, tensors={len(self.tensors)}, numel={self.numel}, flatten={self.flatten})"
 
 
+def _set_storage(tensor, view: torch.Tensor) -> None:
+    """The effective tensor of ``tensor`` ← ``view``'s place (its storage, offset and
+    strides), in place without a setter, else through it."""
+    effective = tensor.bagua_getter_closure()
+    with torch.no_grad():
+        if tensor._bagua_setter is None:
+            effective.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+        else:
+            tensor.bagua_setter_closure(view)
+
+
 def _effective_or_proxy(tensor) -> torch.Tensor:
     effective = tensor.bagua_getter_closure()
     return tensor if effective is None else effective
@@ -350,7 +387,9 @@ def split_into_buckets(
     """Bagua's bucketing suggestion (:func:`bucket_groups`) for Bagua tensors, by the
     bytes, dtype and device of what each one communicates."""
     effective = [_effective_or_proxy(t) for t in tensors]
-    groups = bucket_groups([e.numel() * e.element_size() for e in effective],
+    world = comm_stacked.active_world()  # on the one-process engine: a worker's bytes
+    workers = 1 if world is None else world.n
+    groups = bucket_groups([e.numel() // workers * e.element_size() for e in effective],
                            [(e.dtype, e.device) for e in effective], bucket_size, first_bucket_size)
     return [[tensors[i] for i in group] for group in groups]
 

@@ -23,7 +23,6 @@ __all__ = [
     "LowPrecisionDecentralizedSynchronousOp",
     "compressed_scatter_gather",
     "low_precision_difference",
-    "stacked_compressed_scatter_gather",
     "reduce_chunks",
     "ring_peers",
     "AsyncModelAverageOp",
@@ -43,127 +42,96 @@ def compressed_scatter_gather(
     average: bool,
     group,
     stochastic: bool = False,
-    generator: Optional[torch.Generator] = None,
+    generator=None,
 ) -> torch.Tensor:
     """Reduce ``flat`` over ``group`` in place through the min-max codec (Bagua's
-    compressed scatter-gather), returning what this worker sent in the first stage.
+    compressed scatter-gather), returning the decoded values of what this worker sent
+    in the first stage, D(Q(c_j)) (for error feedback), shaped as ``flat``.
 
     With n members and ``flat`` padded with zeros to n equal chunks c_0 .. c_{n-1}:
 
     1. each worker encodes every chunk (one header each): Q(c_j), j = 0 .. n-1;
     2. all-to-all: worker k receives Q(c_k) of every worker i;
     3. worker k decodes them and reduces its chunk: r_k = Σ_i D(Q(c_k^i)) (/ n with
-       ``average``), then encodes it again: Q(r_k);
+       ``average``, :func:`reduce_chunks`), then encodes it again: Q(r_k);
     4. all-gather of the Q(r_k); every worker decodes all n chunks into ``flat``.
 
     Each value is quantized twice, so with nearest rounding the result differs from
     the exact reduction by at most mean_i(gap_i)/2 + gap_r/2 per chunk (the gaps of
     the first encodings and of the reduced chunk's; sums: n times the first term);
-    with stochastic rounding by at most one gap each, and it is unbiased. The return
-    value is the encoded send buffer (n encodings of ``ceil(len/n)`` values), so an
-    algorithm with error feedback can decode its own contribution.
+    with stochastic rounding by at most one gap each, and it is unbiased.
+
+    Written once for a leading worker dimension W: in a job ``flat`` is this worker's
+    values (W = 1); on the one-process engine (``group`` stacked) it is ``[n, m]``, a
+    row per worker, and every stage is one batched codec call over the W·n chunks, the
+    collectives the stacked communicator's row moves. ``generator``: the stochastic
+    rounding's generator, in a job one, on the engine a sequence of one per worker
+    (worker i draws from its own what its process draws, in its order: its n chunks,
+    then the chunk it reduced).
     """
     n = comm.get_world_size(group)
-    numel = flat.numel()
+    stacked = comm.is_stacked(group)
+    x = flat.detach().reshape(n if stacked else 1, -1)  # [W, m]
+    width, numel = x.shape
+    generators = (list(generator) if stacked else [generator]) if stochastic else None
+    if stochastic and (generators is None or len(generators) != width or any(g is None for g in generators)):
+        raise ValueError(f"stochastic rounding needs {'one generator per worker (' + str(width) + ')' if stacked else 'a generator'}, "
+                         f"got {generator!r}")
     chunk = -(-numel // n) if numel else 0
-    padded = flat.detach().reshape(-1)
+    padded = x
     if chunk * n != numel:
-        padded = torch.cat([padded, padded.new_zeros(chunk * n - numel)])
+        padded = torch.cat([x, x.new_zeros(width, chunk * n - numel)], dim=1)
     # NaN/inf anywhere: every chunk is the mark, so every receiver sees it (see below).
-    sent = minmax.encode_chunks(padded.view(n, chunk), bits, stochastic=stochastic, generator=generator,
-                                non_finite="mark")
+    sent = _encode_rows(padded.reshape(width, n, chunk), bits, generators)  # worker i's chunk j: row i·n + j
     received = torch.empty_like(sent)
-    comm.alltoall(sent, received, group=group)
-    senders = minmax.marked(received, n)
+    comm.alltoall(sent.view(width, -1) if stacked else sent, received.view(width, -1) if stacked else received,
+                  group=group)
+    # which senders' values were not finite (a batched encode marks every row for one
+    # bad row, so on the engine the workers are named from the values)
+    senders = (~torch.isfinite(x).all(dim=1)) if stacked else minmax.marked(received, n)
     # a marked chunk decodes to NaN, so the reduced chunk is marked in turn
-    mine = reduce_chunks(minmax.decode_chunks(received, n, bits=bits, numel=chunk), average)
+    mine = reduce_chunks(minmax.decode_chunks(received, width * n, bits=bits, numel=chunk).view(width, n, chunk),
+                         average)
     # the sum may overflow: then the reduced chunk is marked too
-    own = minmax.encode(mine, bits, stochastic=stochastic, generator=generator, non_finite="mark")
-    gathered = own.new_empty(own.numel() * n)
-    comm.allgather(own, gathered, group=group)
+    own = _encode_rows(mine.unsqueeze(1), bits, generators)
+    gathered = own.new_empty(own.numel() // width * n)  # the same on every worker
+    comm.allgather(own.view(width, -1) if stacked else own, gathered, group=group)
     result = minmax.decode_chunks(gathered, n, bits=bits, numel=chunk).reshape(-1)[:numel]
     _raise_if_marked([(senders, "the bucket's values"), (minmax.marked(gathered, n), "the reduced chunk")], group)
     with torch.no_grad():
-        flat.view(-1).copy_(result)
-    return sent
+        flat.copy_(result.view(1, -1).expand(width, -1).reshape(flat.shape))
+    sent_values = minmax.decode_chunks(sent, width * n, bits=bits, numel=chunk).view(width, n * chunk)[:, :numel]
+    return sent_values.reshape(flat.shape)
+
+
+def _encode_rows(rows: torch.Tensor, bits: int, generators) -> torch.Tensor:
+    """The encodings of ``rows`` (``[W, k, chunk]``: worker w's k chunks), one header a
+    chunk, concatenated worker by worker; NaN/inf rows marked. Nearest rounding: one
+    batched call. Stochastic: worker w draws from ``generators[w]`` what one
+    ``encode_chunks`` of its ``[k, chunk]`` would (on the CPU the uniforms drawn first,
+    worker by worker, then one batched call; elsewhere one call per worker, as the
+    Triton kernels draw their own)."""
+    width, k, chunk = rows.shape
+    flat_rows = rows.reshape(width * k, chunk)
+    if generators is None:
+        return minmax.encode_chunks(flat_rows, bits, non_finite="mark")
+    if width == 1:
+        return minmax.encode_chunks(flat_rows, bits, stochastic=True, generator=generators[0], non_finite="mark")
+    if rows.device.type == "cpu":
+        uniforms = _uniforms(generators, (k, chunk), rows.device).view(width * k, chunk)
+        return minmax.encode_chunks(flat_rows, bits, stochastic=True, non_finite="mark", uniforms=uniforms)
+    return torch.cat([minmax.encode_chunks(rows[w], bits, stochastic=True, generator=generators[w], non_finite="mark")
+                      for w in range(width)])
 
 
 def reduce_chunks(decoded: torch.Tensor, average: bool) -> torch.Tensor:
     """The reduction step of the compressed scatter-gather: ``decoded[..., i, :]`` is
     the chunk sender i sent; returns Σ_i of them (÷ the number of senders with
-    ``average``), a new tensor. One worker reduces its ``[n, chunk]``, the one-process
-    engine every worker's ``[n, n, chunk]`` at once; torch's sum over the sender
-    dimension adds the senders in the same order for both on the CPU (checked in
-    tests/test_engine_equality.py)."""
+    ``average``), a new tensor (``[W, n, chunk]`` → ``[W, chunk]``)."""
     total = decoded.sum(dim=-2)
     if average:
         total.div_(decoded.shape[-2])
     return total
-
-
-def stacked_compressed_scatter_gather(
-    x: torch.Tensor,
-    bits: int,
-    average: bool,
-    stochastic: bool = False,
-    generators: Optional[Sequence[torch.Generator]] = None,
-) -> torch.Tensor:
-    """:func:`compressed_scatter_gather` of all n workers of a group at once, in one
-    process: row i of ``x`` (``[n, m]``, float32) is worker i's ``flat``. In place, every
-    row becomes the result (the same on every worker, as after the all-gather); returns
-    the ``[n, m]`` decoded values of what each worker sent in the first stage,
-    D(Q(c_j^i)), for error feedback.
-
-    The same codec calls on the same rows as the n processes make: worker i's chunk j
-    is row i·n + j of one ``[n², chunk]`` encoding, chunk k's reduction
-    :func:`reduce_chunks` over the senders i, the reduced chunks one ``[n, chunk]``
-    encoding. With nearest rounding each stage is one batched codec call (the codec
-    encodes a row from the row alone). With ``stochastic``, worker i draws from
-    ``generators[i]`` exactly what its process draws, in its order (its n chunks, then
-    the chunk it reduced). On the CPU those are drawn first, worker by worker (n
-    ``torch.rand`` calls a stage), and each stage is still one batched codec call that
-    takes them as its ``uniforms``; elsewhere one codec call per worker and stage (the
-    Triton kernels draw their own u from each worker's generator). NaN/inf values raise
-    ValueError naming the workers, as :func:`compressed_scatter_gather` names the ranks
-    (one host synchronisation).
-    """
-    n, numel = x.shape
-    if stochastic and (generators is None or len(generators) != n):
-        raise ValueError(f"stochastic rounding needs one generator per worker ({n}), got "
-                         f"{None if generators is None else len(generators)}")
-    chunk = -(-numel // n) if numel else 0
-    padded = x.detach()
-    if chunk * n != numel:
-        padded = torch.cat([padded, padded.new_zeros(n, chunk * n - numel)], dim=1)
-    rows = padded.reshape(n * n, chunk)  # worker i's chunk j: row i·n + j
-    predraw = stochastic and x.device.type == "cpu"
-    if predraw:
-        sent = minmax.encode_chunks(rows, bits, stochastic=True, non_finite="mark",
-                                    uniforms=_uniforms(generators, (n, chunk), x.device).view(n * n, chunk))
-    elif stochastic:
-        blocks = rows.view(n, n, chunk)
-        sent = torch.cat([minmax.encode_chunks(blocks[i], bits, stochastic=True, generator=generators[i],
-                                               non_finite="mark") for i in range(n)])
-    else:
-        sent = minmax.encode_chunks(rows, bits, non_finite="mark")
-    sent_values = minmax.decode_chunks(sent, n * n, bits=bits, numel=chunk).view(n, n, chunk)
-    # worker k reduces chunk k of every sender i: [k, i, chunk]
-    reduced = reduce_chunks(sent_values.transpose(0, 1).contiguous(), average)
-    if predraw:
-        own = minmax.encode_chunks(reduced, bits, stochastic=True, non_finite="mark",
-                                   uniforms=_uniforms(generators, (chunk,), x.device))
-    elif stochastic:
-        own = torch.cat([minmax.encode(reduced[k], bits, stochastic=True, generator=generators[k],
-                                       non_finite="mark") for k in range(n)])
-    else:
-        own = minmax.encode_chunks(reduced, bits, non_finite="mark")
-    result = minmax.decode_chunks(own, n, bits=bits, numel=chunk).reshape(-1)[:numel]
-    # (a batched encode marks every row for one bad row: the workers are named from the values)
-    _raise_if_marked([(~torch.isfinite(padded).all(dim=1), "the bucket's values"),
-                      (~torch.isfinite(reduced).all(dim=1), "the reduced chunk")], None, peers=list(range(n)))
-    with torch.no_grad():
-        x.copy_(result.expand(n, numel))
-    return sent_values.view(n, n * chunk)[:, :numel]
 
 
 def _uniforms(generators, shape: tuple, device) -> torch.Tensor:
@@ -278,7 +246,9 @@ class CentralizedSynchronousOp:
         if compression is not None and self.hierarchical:
             # Node groups are created collectively: here, on every rank, not on first use.
             self._intra = comm.intra_node_group()
-            self._leaders = comm.inter_node_group() if comm.get_local_rank() == 0 else None
+            # (the one-process engine's workers are one node: its rows all lead it)
+            leads = comm.is_stacked(group) or comm.get_local_rank() == 0
+            self._leaders = comm.inter_node_group() if leads else None
 
     def __call__(self, bucket) -> None:
         if self.local_only:

@@ -26,19 +26,14 @@ def registered_forms() -> dict:
 
 
 def form_for(algorithm):
-    """The form class of ``algorithm`` (an Algorithm instance), or a TypeError naming
-    what is missing."""
+    """The form class of ``algorithm`` (an Algorithm instance), or None: the engine
+    runs the algorithm's own hooks and ops (engine/runtime.py)."""
     for cls in type(algorithm).__mro__:
         if cls in _FORMS:
             return _FORMS[cls]
         if cls in _REFUSED:
             raise TypeError(f"the one-process engine does not run {type(algorithm).__name__}: {_REFUSED[cls]}")
-    known = sorted(c.__name__ for c in _FORMS)
-    raise TypeError(
-        f"the one-process engine has no form for {type(algorithm).__name__}: it runs {known}; an algorithm "
-        "outside the package runs on it once its vectorised form is registered with "
-        "bagua_algos.engine.register_form(AlgorithmClass, FormClass) (see docs/engine.md)"
-    )
+    return None
 
 
 def _register_builtin() -> None:
@@ -48,10 +43,7 @@ def _register_builtin() -> None:
                                RelayAlgorithm, SignNormAlgorithm, SignumAlgorithm, TernGradAlgorithm, TopKAlgorithm,
                                UnbiasedLowRankAlgorithm)
     from .allgather_compression import AllgatherCompressionForm
-    from .allreduce_average import AllreduceAverageForm
-    from .bytegrad import ByteGradForm
     from .decentralized import DecentralizedForm
-    from .gradient_allreduce import GradientAllReduceForm
     from .low_precision_decentralized import LowPrecisionDecentralizedForm
     from .powersgd import PowerSGDForm
     from .qadam import QAdamForm
@@ -59,12 +51,9 @@ def _register_builtin() -> None:
     from .relay import RelayForm
     from .terngrad import TernGradForm
 
-    register_form(GradientAllReduceAlgorithm, GradientAllReduceForm)
-    register_form(AllreduceAverageAlgorithm, AllreduceAverageForm)
     register_form(DecentralizedAlgorithm, DecentralizedForm)
     register_form(RelayAlgorithm, RelayForm)
     register_form(TernGradAlgorithm, TernGradForm)
-    register_form(ByteGradAlgorithm, ByteGradForm)
     register_form(LowPrecisionDecentralizedAlgorithm, LowPrecisionDecentralizedForm)
     register_form(QAdamAlgorithm, QAdamForm)
     register_form(PowerSGDAlgorithm, PowerSGDForm)

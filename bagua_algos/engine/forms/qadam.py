@@ -14,7 +14,7 @@ step count decides the phase, as the per-rank algorithm's does (:func:`in_compre
   optimizer applies the update with the average and the frozen v. ``hierarchical=True``
   (the default) on the engine's one node is the node's exact average; ``False`` is
   Bagua's MinMaxUInt8 scatter-gather over the n workers
-  (:func:`stacked_compressed_scatter_gather`).
+  (:func:`compressed_scatter_gather`).
 
 As in the per-rank runtime, the switch of phase rebuilds the buckets: every worker's
 parameters, buffers and optimizer state become worker 0's (the runtime's broadcast from
@@ -38,7 +38,8 @@ import warnings
 import torch
 
 from ...algorithms.q_adam import QAdamOptimizer, in_compression, local_momentum_
-from ...runtime.ops import MINMAX_UINT8_BITS, stacked_compressed_scatter_gather
+from ...runtime.comm import StackedGroup
+from ...runtime.ops import MINMAX_UINT8_BITS, compressed_scatter_gather
 from .base import StackedForm
 
 __all__ = ["QAdamForm"]
@@ -142,7 +143,7 @@ class QAdamForm(StackedForm):
             else:
                 bad_rows = ~torch.isfinite(flat).all(1)  # before the average overwrites them
                 try:  # (one host read per bucket: the per-rank op reads its marks too)
-                    stacked_compressed_scatter_gather(flat, MINMAX_UINT8_BITS, average=True)
+                    compressed_scatter_gather(flat, MINMAX_UINT8_BITS, True, StackedGroup(self.n))
                 except ValueError:
                     self._raise_non_finite(bad_rows)
             padding.copy_(flat[:, pad])

@@ -4,7 +4,7 @@ order (the order the communication thread runs them), every worker's contributio
     v_i = clip(g_i) + e_i          (clip: :func:`clip_rows_by_std`, e_i: error feedback)
 
 goes through the min-max scatter-gather at ``bits`` bits (:func:`bagua_algos.runtime.
-ops.stacked_compressed_scatter_gather`: worker i encodes its n chunks, worker k
+ops.compressed_scatter_gather`: worker i encodes its n chunks, worker k
 reduces chunk k of every worker, mean, encodes it again, every worker decodes all
 reduced chunks), and with error feedback e_i ← v_i − D(Q(v_i)), the error of worker
 i's own first encoding.
@@ -25,9 +25,33 @@ from __future__ import annotations
 import torch
 
 from ...algorithms.terngrad import RoundingStream, clip_rows_by_std
-from ...runtime.ops import stacked_compressed_scatter_gather
+from ...runtime.comm import StackedGroup
+from ...runtime.ops import compressed_scatter_gather
 from .base import StackedForm
-from .bytegrad import BucketPadding
+
+
+class BucketPadding:
+    """Each bucket's padding values (what a process's padding tensor holds), ``[size -
+    numel]`` per bucket, shared by every worker; zeros at first."""
+
+    def __init__(self, layout, device):
+        self.buckets = layout.buckets
+        self.values = [torch.zeros(b.size - b.numel, device=device) for b in self.buckets]
+
+    def flat(self, grads: torch.Tensor, b: int) -> torch.Tensor:
+        """A new float32 ``[n, size]``: every worker's bucket b, the padding included
+        (the process's ``bucket.flat_view()``, as float32)."""
+        bucket = self.buckets[b]
+        n = grads.shape[0]
+        return torch.cat([grads[:, bucket.start:bucket.start + bucket.numel].float(),
+                          self.values[b].expand(n, -1)], dim=1)
+
+    def write(self, grads: torch.Tensor, b: int, flat: torch.Tensor) -> None:
+        """Bucket b's gradients ← ``flat[:, :numel]``, its padding ← ``flat``'s rest (row 0:
+        a reduction leaves every row equal)."""
+        bucket = self.buckets[b]
+        grads[:, bucket.start:bucket.start + bucket.numel].copy_(flat[:, :bucket.numel])
+        self.values[b].copy_(flat[0, bucket.numel:])
 
 
 class TernGradForm(StackedForm):
@@ -57,7 +81,8 @@ class TernGradForm(StackedForm):
             result = v.clone()
             generators = ([s.reduction_generator(result.device) for s in self.streams]
                           if self.streams is not None else None)
-            sent = stacked_compressed_scatter_gather(result, algorithm.bits, True, algorithm.stochastic, generators)
+            sent = compressed_scatter_gather(result, algorithm.bits, True, StackedGroup(self.n), algorithm.stochastic,
+                                             generators)
             if self.errors is not None:
                 self.errors[b].copy_(v.sub_(sent))
             self.padding.write(grads, b, result)

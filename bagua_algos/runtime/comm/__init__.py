@@ -91,7 +91,8 @@ the compatibility package imports a few others from their modules):
 * ``staging``: host copies of CUDA tensors for gloo;
 * ``collectives``: the 18 collectives and ``send``/``recv``;
 * ``hierarchical`` (with ``helper_thread``): the two-level allreduce;
-* ``neighbors``: the neighbour exchange, ``all_gather_object`` and ``broadcast_object``.
+* ``neighbors``: the neighbour exchange, ``all_gather_object`` and ``broadcast_object``;
+* ``stacked``: the one-process engine's communicator, every worker a row of each tensor.
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ from .hierarchical import hierarchical_allreduce_inplace
 from .lifecycle import BACKEND_ENV, BACKENDS, choose_backend, destroy_process_group, init_process_group
 from .neighbors import all_gather_object, broadcast_object, neighbor_exchange, start_neighbor_exchange
 from .reduce_op import ReduceOp
+from .stacked import StackedGroup, is_stacked, stacked_world
 from .staging import _Staging  # noqa: F401 - tests force it on CPU tensors
 
 __all__ = [
@@ -165,4 +167,7 @@ __all__ = [
     "start_neighbor_exchange",
     "bytes_sent",
     "reset_bytes_sent",
+    "StackedGroup",
+    "is_stacked",
+    "stacked_world",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from . import stacked as _stacked
+
 import torch
 import torch.distributed as dist
 
@@ -20,6 +22,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+@_stacked.dispatch(_stacked.allreduce_inplace)
 def allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm=None, *, group=None,
                       async_op: bool = False):
     """``tensor`` ← reduction over the communicator of every member's ``tensor``."""
@@ -35,6 +38,7 @@ def allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm=No
     return _finish(st.handle([work], finishers), async_op)
 
 
+@_stacked.dispatch(_stacked.allreduce)
 def allreduce(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm=None, *,
               group=None, async_op: bool = False):
     """``recv_tensor`` ← reduction of every member's ``send_tensor``; ``send_tensor`` is kept."""
@@ -54,6 +58,7 @@ def allreduce(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: ReduceOp
     return allreduce_inplace(recv_tensor, op, group=c, async_op=async_op)
 
 
+@_stacked.dispatch(_stacked.broadcast)
 def broadcast(tensor: torch.Tensor, src: int = 0, comm=None, *, group=None, async_op: bool = False):
     """Every member's ``tensor`` ← ``tensor`` of rank ``src`` (see the module's note on ranks)."""
     c, ranks = _target(comm, group, "broadcast")
@@ -68,6 +73,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, comm=None, *, group=None, asyn
     return _finish(st.handle([work]), async_op)
 
 
+@_stacked.dispatch(_stacked.reduce)
 def reduce(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, comm=None,
            *, group=None, async_op: bool = False):
     """``recv_tensor`` of rank ``dst`` ← reduction of every member's ``send_tensor``.
@@ -93,6 +99,7 @@ def reduce(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, op: R
     return _reduce_into(buffer, dst, op, c, async_op)
 
 
+@_stacked.dispatch(_stacked.reduce_inplace)
 def reduce_inplace(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, comm=None, *, group=None,
                    async_op: bool = False):
     """``tensor`` of rank ``dst`` ← reduction of every member's ``tensor``; the other
@@ -118,6 +125,7 @@ def _reduce_into(buffer: torch.Tensor, dst: int, op: ReduceOp, c: BaguaCommunica
     return _finish(st.handle([work], finishers), async_op)
 
 
+@_stacked.dispatch(_stacked.allgather)
 def allgather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm=None, *, group=None, async_op: bool = False):
     """``recv_tensor`` (nranks × ``send_tensor.numel()`` elements) ← every member's
     ``send_tensor``, in communicator-rank order."""
@@ -140,6 +148,7 @@ def allgather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm=None, *
     return _finish(st.handle([work]), async_op)
 
 
+@_stacked.dispatch(_stacked.allgather_inplace)
 def allgather_inplace(tensor: torch.Tensor, comm=None, *, group=None, async_op: bool = False):
     """In-place :func:`allgather`: ``tensor`` holds nranks equal chunks; each member's
     chunk at its rank is its input, and all chunks are the output."""
@@ -159,6 +168,7 @@ def allgather_inplace(tensor: torch.Tensor, comm=None, *, group=None, async_op: 
     return _finish(st.handle([work]), async_op)
 
 
+@_stacked.dispatch(_stacked._refuse_gather)
 def gather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, comm=None, *, group=None,
            async_op: bool = False):
     """``recv_tensor`` of rank ``dst`` (nranks × ``send_tensor.numel()`` elements) ←
@@ -203,6 +213,7 @@ def _rooted_inplace(c: BaguaCommunicator, ranks: str, tensor: torch.Tensor, coun
     return root, n, at_root, tensor.view(-1)
 
 
+@_stacked.dispatch(_stacked._refuse_gather_inplace)
 def gather_inplace(tensor: torch.Tensor, count: int, dst: int, comm=None, *, group=None, async_op: bool = False):
     """In-place :func:`gather`: on rank ``dst`` ``tensor`` has nranks × ``count``
     elements, its own input being chunk ``dst``; elsewhere it has ``count`` elements."""
@@ -222,6 +233,7 @@ def gather_inplace(tensor: torch.Tensor, count: int, dst: int, comm=None, *, gro
     return _finish(st.handle([work]), async_op)
 
 
+@_stacked.dispatch(_stacked._refuse_scatter)
 def scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, src: int, comm=None, *, group=None,
             async_op: bool = False):
     """Each member's ``recv_tensor`` ← its chunk (by communicator rank) of rank
@@ -251,6 +263,7 @@ def scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, src: int, comm
     return _finish(st.handle([work]), async_op)
 
 
+@_stacked.dispatch(_stacked._refuse_scatter_inplace)
 def scatter_inplace(tensor: torch.Tensor, count: int, src: int, comm=None, *, group=None, async_op: bool = False):
     """In-place :func:`scatter`: on rank ``src`` ``tensor`` has nranks × ``count``
     elements (its own share, chunk ``src``, stays in place); elsewhere it has ``count``
@@ -269,6 +282,7 @@ def scatter_inplace(tensor: torch.Tensor, count: int, src: int, comm=None, *, gr
     return _finish(st.handle([work]), async_op)
 
 
+@_stacked.dispatch(_stacked.reduce_scatter)
 def reduce_scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm=None, *,
                    group=None, async_op: bool = False):
     """Member k's ``recv_tensor`` ← reduction of chunk k of every member's
@@ -295,6 +309,7 @@ def reduce_scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: Red
     return _finish(st.handle([work], finishers), async_op)
 
 
+@_stacked.dispatch(_stacked.reduce_scatter_inplace)
 def reduce_scatter_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm=None, *, group=None,
                            async_op: bool = False):
     """In-place :func:`reduce_scatter`: ``tensor`` holds nranks equal chunks; afterwards
@@ -320,6 +335,7 @@ def reduce_scatter_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, co
     return _finish(st.handle([work], finishers + [lambda: mine.copy_(out)]), async_op)
 
 
+@_stacked.dispatch(_stacked.alltoall)
 def alltoall(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm=None, *, group=None, async_op: bool = False):
     """Chunk j of member i's ``send_tensor`` → chunk i of member j's ``recv_tensor``
     (both of nranks equal chunks)."""
@@ -347,11 +363,13 @@ def alltoall(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm=None, *,
     return _finish(st.handle([work]), async_op)
 
 
+@_stacked.dispatch(_stacked.alltoall_inplace)
 def alltoall_inplace(tensor: torch.Tensor, comm=None, *, group=None, async_op: bool = False):
     """In-place :func:`alltoall`."""
     return alltoall(tensor, tensor, comm, group=group, async_op=async_op)
 
 
+@_stacked.dispatch(_stacked._refuse_alltoall_v)
 def alltoall_v(send_tensor: torch.Tensor, send_counts, send_displs, recv_tensor: torch.Tensor, recv_counts,
                recv_displs, comm=None, *, group=None, async_op: bool = False):
     """All-to-all with a count and a displacement per rank (as MPI_Alltoallv).
@@ -381,6 +399,7 @@ def alltoall_v(send_tensor: torch.Tensor, send_counts, send_displs, recv_tensor:
                        recv_counts, recv_displs, recv_packed, c, async_op)
 
 
+@_stacked.dispatch(_stacked._refuse_alltoall_v_inplace)
 def alltoall_v_inplace(tensor: torch.Tensor, counts, displs, comm=None, *, group=None, async_op: bool = False):
     """In-place :func:`alltoall_v`: the region ``displs[j]``, ``counts[j]`` of ``tensor``
     is sent to member j and replaced by what member j sends (so member j's
@@ -426,6 +445,7 @@ def _alltoall_v(send, send_counts, send_displs, send_packed, recv, recv_counts, 
     return _finish(st.handle([work], finishers), async_op)
 
 
+@_stacked.dispatch(_stacked.barrier)
 def barrier(comm=None, *, group=None, async_op: bool = False):
     """Block until every member of the communicator has entered ``barrier``."""
     c, _ = _target(comm, group, "barrier")
@@ -435,6 +455,7 @@ def barrier(comm=None, *, group=None, async_op: bool = False):
     return _finish(CommHandle([work]), async_op)
 
 
+@_stacked.dispatch(_stacked._refuse_send)
 def send(tensor: torch.Tensor, dst: int, comm=None, *, group=None, async_op: bool = False):
     """Send ``tensor`` to rank ``dst`` (blocking unless ``async_op``)."""
     c, ranks = _target(comm, group, "send")
@@ -450,6 +471,7 @@ def send(tensor: torch.Tensor, dst: int, comm=None, *, group=None, async_op: boo
     return _finish(st.handle([work]), async_op)
 
 
+@_stacked.dispatch(_stacked._refuse_recv)
 def recv(tensor: torch.Tensor, src: int, comm=None, *, group=None, async_op: bool = False):
     """Receive ``tensor`` from rank ``src`` (blocking unless ``async_op``)."""
     c, ranks = _target(comm, group, "recv")

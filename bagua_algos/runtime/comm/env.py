@@ -3,6 +3,8 @@ process group once it exists, else from the launcher's environment variables).""
 
 from __future__ import annotations
 
+from . import stacked as _stacked
+
 import os
 
 import torch.distributed as dist
@@ -24,6 +26,7 @@ def _env_int(name: str, default: int | None = None) -> int:
         raise RuntimeError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+@_stacked.dispatch(_stacked.is_initialized)
 def is_initialized() -> bool:
     """Whether the default process group exists."""
     return dist.is_available() and dist.is_initialized()
@@ -37,6 +40,7 @@ def _require_init(what: str) -> None:
         )
 
 
+@_stacked.dispatch(_stacked.get_rank)
 def get_rank(group=None) -> int:
     """This process's rank: in the job (RANK, default 0, also before
     :func:`init_process_group`), or inside ``group`` (a communicator, a
@@ -49,6 +53,7 @@ def get_rank(group=None) -> int:
     return _as_communicator(group).rank()
 
 
+@_stacked.dispatch(_stacked.get_world_size)
 def get_world_size(group=None) -> int:
     """Number of processes: in the job (WORLD_SIZE, default 1, also before
     :func:`init_process_group`), or in ``group``."""
@@ -60,18 +65,21 @@ def get_world_size(group=None) -> int:
     return _as_communicator(group).nranks()
 
 
+@_stacked.dispatch(_stacked.get_rank)
 def get_local_rank() -> int:
     """Rank among the processes of this node (LOCAL_RANK; default 0 before
     :func:`init_process_group`, which sets it to the rank when it is missing)."""
     return _env_int("LOCAL_RANK", get_rank() if is_initialized() else 0)
 
 
+@_stacked.dispatch(_stacked.get_local_size)
 def get_local_size() -> int:
     """Number of processes on this node (LOCAL_WORLD_SIZE; default 1 before
     :func:`init_process_group`, which sets it to the world size when it is missing)."""
     return _env_int("LOCAL_WORLD_SIZE", get_world_size() if is_initialized() else 1)
 
 
+@_stacked.dispatch(_stacked.get_node_rank)
 def get_node_rank() -> int:
     """Index of this node: ``get_rank() // get_local_size()`` (nodes hold consecutive
     ranks, as under Bagua's launcher and torchrun)."""

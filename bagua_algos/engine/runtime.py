@@ -1,0 +1,201 @@
+"""The runtime's contract on stacked workers: an algorithm's own ``AlgorithmImpl``, its
+hooks and its bucket ops, run once per step for all n workers of the engine.
+
+What a process's ``with_bagua`` does for one rank, :class:`StackedRuntime` does for
+the n rows of :class:`~.stacked.StackedModel` at once:
+
+1. set-up: ``algorithm.reify(group)`` with the engine's :class:`~bagua_algos.runtime.
+   comm.StackedGroup`, then ``init_tensors``, ``tensors_to_buckets`` on Bagua's
+   bucketing suggestion, ``init_operations`` for each bucket, as the runtime does
+   (and again whenever ``need_reset()`` says so). A parameter the algorithm sees is
+   the ``[n, *shape]`` view of its columns of the stacked parameters, its ``.grad``
+   the view of the stacked gradients: so a flattened bucket's ``backend_tensor`` is
+   the ``[n, numel]`` view of the bucket's columns, every worker's bucket a row;
+2. a step: the forward pre-hook, the stacked forward and backward, each parameter's
+   backward hook in bucket order (marking a bucket's tensors ready runs its ops at
+   once, on this thread), the post-backward hook, the optimizer's step, the
+   post-optimizer-step hook.
+
+While a step runs, ``comm`` answers for the n workers (:func:`~bagua_algos.runtime.
+comm.stacked_world`): its collectives are reductions and row moves of the stacked
+tensors, so the ops written for a rank run here unchanged where they keep a worker's
+values in the tensors' last dimensions (docs/engine.md says what that asks of an
+algorithm).
+
+The layout: the stacked parameters are laid out as the algorithm buckets them (the
+tensors of a bucket in consecutive columns, then its padding), which the runtime
+learns by asking the algorithm for its buckets once before laying out the model
+(``init_tensors`` and ``tensors_to_buckets`` are called again after a reset anyway,
+as in Bagua).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+from ..runtime import backend as backend_module
+from ..runtime import comm
+from ..runtime.backend import BaguaBackend
+from ..runtime.bucket import split_into_buckets
+from .stacked import Layout, StackedModel
+
+__all__ = ["StackedRuntime", "EngineRefusal", "refusal"]
+
+_names = itertools.count()
+
+
+class EngineRefusal(TypeError):
+    """The one-process engine cannot run this algorithm (raised before training)."""
+
+
+def refusal(algorithm) -> str | None:
+    """Why the engine cannot run ``algorithm`` (an ``Algorithm``), or None. An
+    algorithm class says so itself with ``ENGINE_REFUSAL`` (a reason), as the
+    asynchronous model average does."""
+    return getattr(algorithm, "ENGINE_REFUSAL", None) or getattr(type(algorithm), "ENGINE_REFUSAL", None)
+
+
+class _StackedBackend(BaguaBackend):
+    """A module's backend on the engine: a bucket's ops run as soon as it is ready,
+    on the thread that marked it (there is no communication to overlap)."""
+
+    def _hand_over(self, k: int) -> None:  # (the lock is held)
+        bucket = self._buckets[k]
+        self._ready[k] = set()
+        self._events[k] = []
+        self._next = (k + 1) % len(self._buckets)
+        bucket._before_ops()
+        bucket._run_ops()
+
+
+class StackedRuntime:
+    """The ``bagua_ddp`` an algorithm's hooks are given on the engine (Bagua's names:
+    ``module``, ``bagua_module_name``, ``bagua_optimizers``, ``bagua_algorithm``,
+    ``process_group``, ``bagua_train_step_counter``, ``bagua_buckets``,
+    ``_bagua_backend``, ``bagua_build_params()``), and the driver of its step."""
+
+    def __init__(self, module: torch.nn.Module, n: int, algorithm, optimizer_factory, device, bucket_size: int):
+        reason = refusal(algorithm)
+        if reason is not None:
+            raise EngineRefusal(f"the one-process engine does not run {type(algorithm).__name__}: {reason}; "
+                                "run it as processes (--engine processes)")
+        self.group = comm.StackedGroup(n, device)
+        self.n = n
+        self.device = torch.device(device)
+        self.bucket_size = bucket_size
+        self.algorithm = algorithm
+        self.bagua_module_name = f"engine_{type(module).__name__}_{next(_names)}"
+        self._bagua_backend = _StackedBackend(self.bagua_module_name)
+        backend_module._backends[self.bagua_module_name] = self._bagua_backend
+        weakref.finalize(self, backend_module._backends.pop, self.bagua_module_name, None)
+        self.process_group = self.group
+        self.parameters_to_ignore: list = []
+        self.require_backward_grad_sync = True
+        self.bagua_train_step_counter = 0
+        self.bagua_buckets: list = []
+        self.module = module
+        with comm.stacked_world(self.group):
+            self.bagua_algorithm = algorithm.reify(self.group)
+            # 1. the algorithm's buckets on a provisional layout, 2. the layout they ask for
+            self.model = StackedModel(module, n, Layout.of(module, bucket_size=bucket_size), self.device)
+            self._views()
+            layout = self._layout_of(self._buckets())
+            self.model = StackedModel(module, n, layout, self.device)
+            self.bagua_optimizers = [self._optimizer(optimizer_factory)]
+            self._set_up()
+
+    # --- Bagua's set-up -----------------------------------------------------------------
+    def bagua_build_params(self) -> list:
+        """``(name, parameter)`` in registration order: worker-stacked ``[n, *shape]``
+        views of the stacked parameters, each with its gradient's view as ``.grad``."""
+        return list(self._params.items())
+
+    def _optimizer(self, optimizer_factory):
+        make = getattr(self.bagua_algorithm, "engine_optimizer", None)
+        if make is not None:  # an algorithm that owns its optimizer (QAdam)
+            return make(self.model.params, optimizer_factory)
+        return optimizer_factory([self.model.params])
+
+    def _views(self) -> None:
+        model = self.model
+        values = model.param_views(model.params.detach())
+        grads = model.param_views(model.params.grad)
+        order = [name for name, _ in model.module.named_parameters() if name in values]
+        self._params = {}
+        for name in order:
+            view = values[name]
+            view.grad = grads[name]
+            self._params[name] = view
+
+    def _buckets(self) -> list:
+        impl = self.bagua_algorithm
+        tensors = impl.init_tensors(self)
+        suggestion = split_into_buckets(tensors, bucket_size=self.bucket_size)
+        return impl.tensors_to_buckets(suggestion, True)
+
+    def _layout_of(self, buckets) -> Layout:
+        """The layout whose buckets are ``buckets`` (tensors in their order, padding)."""
+        name_of = {}
+        for name, view in self._params.items():
+            name_of[id(view)] = name
+        groups = []
+        for bucket in buckets:
+            names = []
+            for tensor in bucket.tensors:
+                name = name_of.get(id(tensor))
+                if name is None:
+                    raise EngineRefusal(
+                        f"the one-process engine lays out buckets of the model's parameters; bucket {bucket.name!r} "
+                        f"of {type(self.algorithm).__name__} holds {getattr(tensor, 'bagua_tensor_name', '?')!r}, "
+                        "which is not one; run it as processes (--engine processes)")
+                names.append(name)
+            padding = 0 if bucket.padding_tensor is None else bucket.numel - sum(bucket._numels[:len(bucket.tensors)])
+            groups.append((bucket.name, names, padding))
+        return Layout.of_buckets(self.module, groups)
+
+    def _set_up(self) -> None:
+        """Bagua's ``_bagua_init_algorithm`` on the stacked state (also after a reset)."""
+        self._bagua_backend.wait_pending_comm_ops()
+        self._views()
+        for bucket in self.model.layout.buckets:
+            if bucket.end > bucket.start + bucket.numel:
+                for stacked in (self.model.params.detach(), self.model.params.grad):
+                    self.group.reserve_padding(bucket.name, stacked[:, bucket.start + bucket.numel:bucket.end])
+        impl = self.bagua_algorithm
+        self.bagua_buckets = self._buckets()
+        for bucket in self.bagua_buckets:
+            if bucket.flatten and not bucket.check_flatten():
+                raise EngineRefusal(
+                    f"{type(self.algorithm).__name__} buckets the tensors otherwise than its first set-up did "
+                    f"(bucket {bucket.name!r}); the one-process engine lays the model out once: run it as "
+                    "processes (--engine processes)")
+            impl.init_operations(self, bucket)
+        self._bagua_backend.register_ordered_buckets(self.bagua_buckets)
+        self._forward_pre_hook = impl.init_forward_pre_hook(self)
+        self._backward_hook = impl.init_backward_hook(self)
+        self._post_backward_hook = impl.init_post_backward_hook(self)
+        self._post_step_hook = impl.init_post_optimizer_step_hook(self)
+        self._ready_order = [(slot.name, self._params[slot.name]) for slot in self.model.layout.slots]
+
+    # --- a step -------------------------------------------------------------------------
+    def step(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor:
+        """One training step of every worker (``x[i]``, ``y[i]`` worker i's batch)."""
+        with comm.stacked_world(self.group):
+            self.bagua_train_step_counter += 1
+            if self.bagua_algorithm.need_reset():
+                self._set_up()
+            self._forward_pre_hook((x,))
+            losses = self.model.forward_backward(x, y, loss_fn)  # overwrites every gradient
+            for name, param in self._ready_order:
+                self._backward_hook(name, param)
+            self._post_backward_hook()
+            for optimizer in self.bagua_optimizers:
+                optimizer.step()
+                self._post_step_hook(optimizer)
+        return losses
+
+    def wait_pending_comm_ops(self) -> None:
+        self._bagua_backend.wait_pending_comm_ops()

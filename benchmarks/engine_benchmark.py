@@ -54,7 +54,7 @@ import torch  # noqa: E402
 from bagua_algos.algorithms import (AllreduceAverageAlgorithm, DecentralizedAlgorithm,  # noqa: E402
                                     PowerSGDAlgorithm, RelayAlgorithm)
 from bagua_algos.engine import Engine  # noqa: E402
-from bagua_algos.engine.forms.rows import torch_passes_only  # noqa: E402
+from bagua_algos.runtime.rows import torch_passes_only  # noqa: E402
 from benchmarks.sweep_data import SmallCNN, ResNet20  # noqa: E402
 
 MODELS = {

@@ -232,7 +232,9 @@ def test_qadam_form_takes_its_optimizer_from_the_algorithm_and_refuses_what_it_c
 
 
 @pytest.mark.parametrize("hierarchical", [False, True])
-def test_low_precision_decentralized_form_names_a_worker_with_nan_weights(hierarchical):
+def test_low_precision_decentralized_on_the_engine_names_a_worker_with_nan_weights(hierarchical):
+    """The op's own check, on the stacked rows: the worker whose z is NaN (flat: its
+    neighbours receive its mark), or every worker once the node's average spreads it."""
     from bagua_algos.algorithms import LowPrecisionDecentralizedAlgorithm
     from bagua_algos.engine import Engine
 
@@ -242,8 +244,9 @@ def test_low_precision_decentralized_form_names_a_worker_with_nan_weights(hierar
     engine.step(x[:32].view(4, 8, 12), y[:32].view(4, 8), torch.nn.functional.cross_entropy)
     with torch.no_grad():
         engine.model.params[2, 5] = float("nan")
-    with pytest.raises(ValueError, match=r"the weights of worker\(s\) \[2\] have NaN/inf values"):
-        engine.form.after_step(2)
+    named = r"\[0, 1, 2, 3\]" if hierarchical else r"\[2\]"
+    with pytest.raises(ValueError, match=rf"the weights of rank\(s\) {named} has NaN/inf values"):
+        engine.step(x[:32].view(4, 8, 12), y[:32].view(4, 8), torch.nn.functional.cross_entropy)
 
 
 def test_qadam_form_names_a_worker_with_nan_momentum():

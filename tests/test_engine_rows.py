@@ -11,9 +11,9 @@ from hypothesis import given, settings, strategies as st
 
 from bagua_algos.algorithms import RelayAlgorithm
 from bagua_algos.engine import Engine
-from bagua_algos.engine.forms.decentralized import NeighbourMix
+from bagua_algos.runtime.gossip import NeighbourMix
 from bagua_algos.engine.forms.relay import _TreeEdges
-from bagua_algos.engine.forms.rows import MAX_RUNS, RowGather, arithmetic_runs
+from bagua_algos.runtime.rows import MAX_RUNS, RowGather, arithmetic_runs
 from bagua_algos.runtime.topology import resolve_topology
 
 

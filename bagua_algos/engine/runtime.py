@@ -100,11 +100,8 @@ class StackedRuntime:
         with comm.stacked_world(self.group):
             self.bagua_algorithm = algorithm.reify(self.group)
             # 1. the algorithm's buckets on a provisional layout, 2. the layout they ask for
-            self.model = StackedModel(module, n, Layout.of(module, bucket_size=bucket_size), self.device)
-            self._views()
-            layout = self._layout_of(self._buckets())
-            self.model = StackedModel(module, n, layout, self.device)
-            self.bagua_optimizers = [self._optimizer(optimizer_factory)]
+            self._stack(Layout.of(module, bucket_size=bucket_size), optimizer_factory)
+            self._stack(self._layout_of(self._buckets()), optimizer_factory)
             self._set_up()
 
     # --- Bagua's set-up -----------------------------------------------------------------
@@ -113,11 +110,16 @@ class StackedRuntime:
         views of the stacked parameters, each with its gradient's view as ``.grad``."""
         return list(self._params.items())
 
-    def _optimizer(self, optimizer_factory):
-        make = getattr(self.bagua_algorithm, "engine_optimizer", None)
-        if make is not None:  # an algorithm that owns its optimizer (QAdam)
-            return make(self.model.params, optimizer_factory)
-        return optimizer_factory([self.model.params])
+    def _stack(self, layout: Layout, optimizer_factory) -> None:
+        """The stacked model on ``layout``, its parameters' views and the optimizer.
+
+        The optimizer steps the views (``[n, *shape]``, each worker's tensor a row), as
+        a rank's optimizer steps its parameters: an elementwise optimizer is then every
+        worker's own, and ``optimizer.param_groups`` holds the tensors the algorithm
+        registered (a post-step hook that marks them ready finds them there)."""
+        self.model = StackedModel(self.module, self.n, layout, self.device)
+        self._views()
+        self.bagua_optimizers = [optimizer_factory([view for _, view in self.bagua_build_params()])]
 
     def _views(self) -> None:
         model = self.model
@@ -159,7 +161,6 @@ class StackedRuntime:
     def _set_up(self) -> None:
         """Bagua's ``_bagua_init_algorithm`` on the stacked state (also after a reset)."""
         self._bagua_backend.wait_pending_comm_ops()
-        self._views()
         for bucket in self.model.layout.buckets:
             if bucket.end > bucket.start + bucket.numel:
                 for stacked in (self.model.params.detach(), self.model.params.grad):

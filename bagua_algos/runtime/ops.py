@@ -14,6 +14,7 @@ import torch
 
 from ..compression import minmax
 from . import comm
+from .gossip import NeighbourMix
 from .topology import resolve_topology
 
 __all__ = [
@@ -310,7 +311,7 @@ class DecentralizedSynchronousOp:
             raise ValueError(
                 f"peer_selection_mode must be one of {list(PEER_SELECTION_MODES)}, got {peer_selection_mode!r}"
             )
-        if not torch.is_tensor(peer_weight) or _effective(peer_weight).numel() != bucket.numel:
+        if not torch.is_tensor(peer_weight) or _effective(peer_weight).numel() != bucket.numel * (bucket.workers or 1):
             raise ValueError(
                 f"peer_weight must be a tensor of the bucket's {bucket.numel} elements "
                 "(bucket.flattened_tensor().ensure_bagua_tensor(...) makes one)"
@@ -321,12 +322,15 @@ class DecentralizedSynchronousOp:
         self.group = group
         self._state = bucket.state  # checkpointed by the runtime with the bucket
         self._state.setdefault("decentralized_exchanges", 0)
+        # On the one-process engine (a stacked group) the workers are one node, every row
+        # leads it (its node's gossip is among one leader), and the ranks are the rows.
+        self.stacked = comm.is_stacked(group)
         if self.hierarchical:
             if not _is_whole_world(group):
                 raise ValueError("hierarchical=True gossips between nodes of all workers; use the default group")
             local = comm.get_local_size()
             self.peer_ranks = list(range(0, comm.get_world_size(), local))  # node leaders
-            self.is_leader = comm.get_local_rank() == 0
+            self.is_leader = self.stacked or comm.get_local_rank() == 0
             self.my_index = comm.get_node_rank()
         else:
             self.peer_ranks = comm.group_ranks(group)
@@ -340,8 +344,12 @@ class DecentralizedSynchronousOp:
         if topology is not None:
             members = "the gossip between node leaders" if self.hierarchical else "the process group"
             self.topology = topology = resolve_topology(topology, len(self.peer_ranks), members=members)
-            self.weights = topology.gossip_weights(self.my_index)
-            self._received = {j: torch.empty_like(_effective(peer_weight)) for j in topology.neighbors(self.my_index)}
+            if self.stacked:
+                self._mix = NeighbourMix(topology, bucket.device) if len(self.peer_ranks) > 1 else None
+                self._spare = None
+            else:
+                self.weights = topology.gossip_weights(self.my_index)
+                self._received = {j: torch.empty_like(_effective(peer_weight)) for j in topology.neighbors(self.my_index)}
         elif peer_selection_mode == "shift_one":
             if len(self.peer_ranks) % 2:
                 what = "nodes" if self.hierarchical else "workers"
@@ -363,7 +371,11 @@ class DecentralizedSynchronousOp:
         return self._state["decentralized_exchanges"]
 
     def _gossip(self, x: torch.Tensor) -> None:
-        if self.topology is not None:
+        if len(self.peer_ranks) == 1:
+            return  # one gossiping member (one node): the weights are the result
+        if self.stacked and self.topology is not None:
+            self._stacked_mix(x)
+        elif self.topology is not None:
             sends, recvs = [], []
             for j, buffer in self._received.items():
                 sends.append((self.peer_ranks[j], x))
@@ -373,13 +385,25 @@ class DecentralizedSynchronousOp:
             for j, x_j in self._received.items():
                 x.add_(x_j, alpha=self.weights[j])
         elif self.peer_selection_mode == "shift_one":
-            peer = self.peer_ranks[shift_one_peer(self.my_index, len(self.peer_ranks), self.step)]
+            size = len(self.peer_ranks)
+            peer = (torch.tensor([self.peer_ranks[shift_one_peer(i, size, self.step)] for i in range(size)])
+                    if self.stacked else self.peer_ranks[shift_one_peer(self.my_index, size, self.step)])
             received = self._received["peer"]
             comm.neighbor_exchange([(peer, x)], [(peer, received)], group=self.group)
             x.add_(received).mul_(0.5)
         else:
             group = comm.inter_node_group() if self.hierarchical else self.group
             comm.allreduce_inplace(x, comm.ReduceOp.AVG, group=group)
+
+    def _stacked_mix(self, x: torch.Tensor) -> None:
+        """x ← W x on the engine's rows: what each rank's exchange and multiply-adds
+        compute (:class:`~.gossip.NeighbourMix`: the same terms in the same order), in
+        one compiled sweep where it is loaded, else into a spare and back."""
+        if self._mix.mix_in_place_(x):
+            return
+        if self._spare is None or self._spare.shape != x.shape:
+            self._spare = torch.empty_like(x)
+        x.copy_(self._mix.mix(x, self._spare))
 
     def copy_back_peer_weight(self, bucket) -> None:
         """The bucket's weights ← the gossip result (with one worker, they are it)."""
@@ -445,7 +469,7 @@ class LowPrecisionDecentralizedSynchronousOp:
             raise ValueError(f"compression must be 'MinMaxUInt8' for the low-precision decentralized op, got {compression!r}")
         for name, t in (("weight", weight), ("left_peer_weight", left_peer_weight),
                         ("right_peer_weight", right_peer_weight)):
-            if not torch.is_tensor(t) or _effective(t).numel() != bucket.numel:
+            if not torch.is_tensor(t) or _effective(t).numel() != bucket.numel * (bucket.workers or 1):
                 raise ValueError(
                     f"{name} must be a tensor of the bucket's {bucket.numel} elements "
                     "(bucket.flattened_tensor().ensure_bagua_tensor(...) makes one), got "
@@ -456,11 +480,13 @@ class LowPrecisionDecentralizedSynchronousOp:
         self.hierarchical = bool(hierarchical)
         self.compression = compression
         self.group = group
+        # the one-process engine: one node whose rows all lead it; the ranks are the rows
+        self.stacked = comm.is_stacked(group)
         if self.hierarchical:
             if not _is_whole_world(group):
                 raise ValueError("hierarchical=True gossips between nodes of all workers; use the default group")
             self._intra = comm.intra_node_group()
-            self.is_leader = comm.get_local_rank() == 0
+            self.is_leader = self.stacked or comm.get_local_rank() == 0
             local = comm.get_local_size()
             self.peer_ranks = list(range(0, comm.get_world_size(), local))
             my_index = comm.get_node_rank()
@@ -469,8 +495,13 @@ class LowPrecisionDecentralizedSynchronousOp:
             self.is_leader = True
             self.peer_ranks = comm.group_ranks(group)
             my_index = comm.group_rank(group)
-        left, right = ring_peers(my_index, len(self.peer_ranks))
-        self.left_rank, self.right_rank = self.peer_ranks[left], self.peer_ranks[right]
+        left, right = ring_peers(my_index, len(self.peer_ranks))  # (the rows' [n] tensors on the engine)
+        if torch.is_tensor(left):
+            ranks = torch.tensor(self.peer_ranks)
+            self.left_rank, self.right_rank = ranks[left], ranks[right]
+        else:
+            self.left_rank, self.right_rank = self.peer_ranks[left], self.peer_ranks[right]
+        self._me = comm.get_rank()
         self._state = bucket.state
         self._state["low_precision_weight"] = _effective(weight)
         self._state["low_precision_left_peer_weight"] = _effective(left_peer_weight)
@@ -497,9 +528,9 @@ class LowPrecisionDecentralizedSynchronousOp:
     def _check_pending_mark(self) -> None:
         pending, self._pending_mark = self._pending_mark, None
         if pending is not None:
-            host, event = pending
+            host, event, peers = pending
             event.synchronize()
-            _raise_if_marked([(host, "the weights")], None, peers=[comm.get_rank()])
+            _raise_if_marked([(host, "the weights")], None, peers=peers)
 
     def _ring_step(self, x: torch.Tensor) -> None:
         w = self._state["low_precision_weight"]
@@ -507,29 +538,46 @@ class LowPrecisionDecentralizedSynchronousOp:
         right = self._state["low_precision_right_peer_weight"]
         with torch.no_grad():
             z = low_precision_difference(x, w, *((left, right) if len(self.peer_ranks) > 1 else ()))
+            # one encoding (one header) a worker: W = 1 in a job, the n rows on the engine
+            width = z.shape[0] if self.stacked else 1
+            rows = z.reshape(width, -1)
             # NaN/inf: the mark; tell the neighbours, then raise with them (see _raise_if_marked)
-            mine = minmax.encode(z, MINMAX_UINT8_BITS, non_finite="mark")
-            decode = lambda buf: minmax.decode(buf, MINMAX_UINT8_BITS, z.numel())  # noqa: E731
+            mine = minmax.encode_chunks(rows, MINMAX_UINT8_BITS, non_finite="mark")
+            if self.stacked:
+                mine = mine.view(width, -1)
+
+            def decode(buf):
+                return minmax.decode_chunks(buf.reshape(-1), width, bits=MINMAX_UINT8_BITS,
+                                            numel=rows.shape[1]).view(z.shape)
+
+            def marked(buf):
+                return minmax.marked(buf.reshape(-1), width)
+
+            ranks = (lambda r: r.tolist()) if self.stacked else (lambda r: [r])  # noqa: E731
             if len(self.peer_ranks) > 1:
                 from_left, from_right = torch.empty_like(mine), torch.empty_like(mine)
                 # Two messages to the same peer when n = 2: they pair up in posting order.
                 comm.neighbor_exchange([(self.left_rank, mine), (self.right_rank, mine)],
                                        [(self.left_rank, from_left), (self.right_rank, from_right)],
                                        group=self.group)
-                marks = torch.cat([minmax.marked(buf) for buf in (from_left, from_right, mine)])
+                if self.stacked:  # (a batched encode marks every row for one bad row: named from the values)
+                    bad = ~torch.isfinite(rows).all(dim=1)
+                    marks = torch.cat([bad[self.left_rank], bad[self.right_rank], bad])
+                else:
+                    marks = torch.cat([marked(buf) for buf in (from_left, from_right, mine)])
                 _raise_if_marked([(marks, "the weights")], None,
-                                 peers=[self.left_rank, self.right_rank, comm.get_rank()])
+                                 peers=ranks(self.left_rank) + ranks(self.right_rank) + ranks(self._me))
                 left.add_(decode(from_left).to(left.dtype))
                 right.add_(decode(from_right).to(right.dtype))
             elif z.is_cuda:
                 self._check_pending_mark()
-                host = torch.empty(1, dtype=torch.bool, pin_memory=True)
-                host.copy_(minmax.marked(mine).reshape(1), non_blocking=True)
+                host = torch.empty(width, dtype=torch.bool, pin_memory=True)
+                host.copy_(marked(mine), non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
-                self._pending_mark = (host, event)
+                self._pending_mark = (host, event, ranks(self._me))
             else:
-                _raise_if_marked([(minmax.marked(mine), "the weights")], None, peers=[comm.get_rank()])
+                _raise_if_marked([(marked(mine), "the weights")], None, peers=ranks(self._me))
             w.add_(decode(mine).to(w.dtype))
             x.copy_(w)
 

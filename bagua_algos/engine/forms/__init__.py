@@ -43,18 +43,14 @@ def _register_builtin() -> None:
                                RelayAlgorithm, SignNormAlgorithm, SignumAlgorithm, TernGradAlgorithm, TopKAlgorithm,
                                UnbiasedLowRankAlgorithm)
     from .allgather_compression import AllgatherCompressionForm
-    from .decentralized import DecentralizedForm
-    from .low_precision_decentralized import LowPrecisionDecentralizedForm
     from .powersgd import PowerSGDForm
     from .qadam import QAdamForm
     from .random_sketch import RandomSketchForm
     from .relay import RelayForm
     from .terngrad import TernGradForm
 
-    register_form(DecentralizedAlgorithm, DecentralizedForm)
     register_form(RelayAlgorithm, RelayForm)
     register_form(TernGradAlgorithm, TernGradForm)
-    register_form(LowPrecisionDecentralizedAlgorithm, LowPrecisionDecentralizedForm)
     register_form(QAdamAlgorithm, QAdamForm)
     register_form(PowerSGDAlgorithm, PowerSGDForm)
     for sketch_algorithm in (UnbiasedLowRankAlgorithm, RandomBlockAlgorithm, RandomKAlgorithm):

@@ -35,7 +35,7 @@ from ...algorithms.relay import coordinate_ranges
 from ...arguments import rank_seed
 from ...runtime.topology import resolve_topology
 from .base import StackedForm
-from .rows import RowGather, run_calls
+from ...runtime.rows import RowGather, run_calls
 
 
 class _TreeEdges:

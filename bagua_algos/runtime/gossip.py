@@ -1,22 +1,14 @@
-"""decentralized (D-PSGD) on the stacked state:
+"""The gossip mix of stacked workers: x_i ← w_ii x_i + Σ_k w_{i,j_k} x_{j_k}, every
+worker's row at once, the neighbours j_k in the topology's order and the weights its
+Metropolis–Hastings row (:meth:`Topology.gossip_weights`).
 
-    x_i^{t+1} = Σ_j W_ij x_j^t − (the optimizer's update from ∇f_i(x_i^t))
-
-The per-rank op takes X^t before forward (its copy into ``peer_weight``) and its
-post-backward hook copies the gossip result back; the parameters do not change in
-between, so the form computes the mixture W X^t after backward, into a spare ``[n, d]``
-tensor that then becomes the parameters' storage (``StackedModel.swap_params``: no copy
-back; the old storage is the next spare), or in place by cuda_ext's compiled sweep where
-its CPU module is loaded (:meth:`NeighbourMix.mix_in_place_`), and the optimizer step
-then applies each worker's gradient to it. W is:
-
-- ``peer_selection_mode="all"`` (flat or hierarchical: the engine is one node, where the
-  hierarchical average is the exact average): (1/n) 11ᵀ;
-- ``"shift_one"``: (x_i + x_peer) / 2 with Bagua's pairing :func:`shift_one_peer` at the
-  exchange count (0, 1, 2, … over the communicating steps);
-- ``topology=``: the topology's Metropolis–Hastings row of every worker, as
-  ``w_ii x_i + Σ_k w_{i,j_k} x_{j_k}`` over the neighbours j_k in the topology's order
-  (one gather and one multiply-add per neighbour slot, not a dense n × n product).
+It is the one-process engine's form of the gossip step of :class:`~.ops.
+DecentralizedSynchronousOp` (a rank multiplies its own weights by w_ii, then adds
+each neighbour's received weights times w_ij, in the same order): the op calls it when
+its group is the engine's stacked workers, where a neighbour exchange and the adds would
+be a gather per neighbour and a pass each. Where cuda_ext's CPU module is loaded, the
+mix is one compiled sweep over the rows, the same terms in the same order
+(csrc/engine_cpu.cpp).
 """
 
 from __future__ import annotations
@@ -25,11 +17,9 @@ import functools
 
 import torch
 
-from ...algorithms.model_averaging import communicates_at
-from ...runtime.ops import shift_one_peer
-from ...runtime.topology import resolve_topology
-from .base import StackedForm
 from .rows import RowGather, engine_cpu_passes, run_calls
+
+__all__ = ["NeighbourMix"]
 
 
 class NeighbourMix:
@@ -94,53 +84,3 @@ class NeighbourMix:
         self_weight, weight = self._weights_as[x.dtype]
         passes.engine_gossip_mix_(x, self_weight, self.neighbour, weight)
         return True
-
-
-class DecentralizedForm(StackedForm):
-    def __init__(self, algorithm, engine):
-        super().__init__(algorithm, engine)
-        self.exchanges = 0  # the per-rank op's "decentralized_exchanges" (shift_one's schedule)
-        self.mix = None
-        if algorithm.topology is not None:
-            topology = resolve_topology(algorithm.topology, self.n, members="the engine's workers")
-            self.mix = NeighbourMix(topology, engine.device)
-        elif algorithm.peer_selection_mode == "shift_one" and self.n > 1 and self.n % 2:
-            raise ValueError(f"shift_one needs an even number of workers, got {self.n}")
-        self._exchange = None  # the exchange taken at before_forward, mixed at after_backward
-        self._spare = None  # [n, d]: the mixture is written here, then becomes the parameters
-
-    def _communicates(self, step: int) -> bool:
-        return communicates_at(step, self.algorithm.communication_interval)
-
-    @torch.no_grad()
-    def before_forward(self, step: int) -> None:
-        # The per-rank op takes x^t here; the parameters do not change until the
-        # optimizer's step, so the mix of x^t is computed in after_backward.
-        if self._communicates(step):
-            self._exchange = self.exchanges
-            self.exchanges += 1
-
-    @torch.no_grad()
-    def after_backward(self, step: int) -> None:
-        if self._exchange is None:
-            return
-        exchange, self._exchange = self._exchange, None
-        model = self.engine.model
-        x = model.params.detach()
-        if self.n == 1:
-            return  # one worker: the gossip result is its own weights
-        if self.mix is None and self.algorithm.peer_selection_mode != "shift_one":
-            x.copy_(x.sum(0, keepdim=True).div_(self.n).expand_as(x))
-            return
-        if self.mix is not None and self.mix.mix_in_place_(x):
-            return
-        if self._spare is None:
-            self._spare = torch.empty_like(x)
-        if self.mix is not None:
-            mixed = self.mix.mix(x, self._spare)
-        else:
-            peers = torch.tensor([shift_one_peer(i, self.n, exchange) for i in range(self.n)], device=x.device)
-            mixed = torch.index_select(x, 0, peers, out=self._spare).add_(x).mul_(0.5)  # (x_peer + x_i) / 2
-        # the mixture becomes the parameters without a copy; their old storage is the
-        # next step's spare
-        self._spare = model.swap_params(mixed)

@@ -20,10 +20,14 @@ The wire: an all-gather of the n scales (float32) and of the n sign vectors as i
 d + 4 bytes per worker instead of 4d: a quarter of the gradient's bytes. (Packing eight
 signs a byte would make it 1/32; the template keeps to what one line of torch does.)
 
-Its second form, :class:`EFSignSGDForm`, runs the same four steps on the one-process
-engine's stacked state (every worker's bucket a row), with the same pure functions, and
-is registered with ``bagua_algos.engine.register_form`` (docs/engine.md): the hook for an
-algorithm outside the package.
+Written once, it also runs on the one-process engine (docs/engine.md), which runs this
+same op for all n workers at once on stacked buckets: ``bucket.flat_view()`` is then
+``[n, d]``, a row per worker, and ``comm.allgather`` hands every worker the rows. So the
+op keeps a worker's values in the last dimension (the scale is a mean over ``-1``), and
+allocates its per-worker state like the bucket's tensor (``zeros_like``), not with a
+per-rank shape. The sweep runs it from this file::
+
+    python benchmarks/heterogeneity_sweep.py --configs 'examples/ef_sign_sgd.py:EFSignSGDAlgorithm'
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from bagua_algos.arguments import check_flag
-from bagua_algos.engine import StackedForm, register_form
 from bagua_algos.runtime import comm
 from bagua_algos.runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 
@@ -41,8 +44,7 @@ if TYPE_CHECKING:
     from bagua_algos.runtime.bucket import BaguaBucket
     from bagua_algos.runtime.ddp import BaguaDistributedDataParallel
 
-__all__ = ["EFSignSGDAlgorithm", "EFSignSGDAlgorithmImpl", "EFSignSGDForm", "scaled_sign", "sign_message",
-           "message_value"]
+__all__ = ["EFSignSGDAlgorithm", "EFSignSGDAlgorithmImpl", "scaled_sign", "sign_message", "message_value"]
 
 
 # The math is pure functions, tested on their own; the op below calls them, never
@@ -83,7 +85,8 @@ class EFSignSGDAlgorithmImpl(AlgorithmImpl):
     def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
         if self.error_feedback:
-            bucket.state["ef_sign_error"] = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.device)
+            # e: one per worker, shaped as the bucket's flat tensor ([d]; [n, d] on the engine)
+            bucket.state["ef_sign_error"] = torch.zeros_like(bucket.flat_view(), dtype=torch.float32)
         bucket.append_python_op(lambda name: self._average_signs(bucket), group=self.process_group)
 
     def _average_signs(self, bucket) -> None:
@@ -95,13 +98,13 @@ class EFSignSGDAlgorithmImpl(AlgorithmImpl):
             scale, signs = sign_message(p)                                   # 2. δ, as sent
             if self.error_feedback:
                 bucket.state["ef_sign_error"].copy_(p - message_value(scale, signs))  # 3. e ← p − δ
-            n = self.world_size
-            scales = torch.empty(n, dtype=scale.dtype, device=scale.device)
-            all_signs = torch.empty(n * signs.numel(), dtype=torch.int8, device=signs.device)
+            n, d = self.world_size, p.shape[-1]
+            scales = torch.empty(n, dtype=scale.dtype, device=scale.device)  # the same on every worker
+            all_signs = torch.empty(n * d, dtype=torch.int8, device=signs.device)
             comm.allgather(scale, scales, group=self.process_group)         # every worker's message
             comm.allgather(signs, all_signs, group=self.process_group)
-            mean = message_value(scales[:, None], all_signs.view(n, -1)).sum(0).div_(n)  # 4.
-            flat.copy_(mean)
+            mean = message_value(scales[:, None], all_signs.view(n, d)).sum(0).div_(n)  # 4.
+            flat.copy_(mean.expand_as(flat))
         bucket.write_flat(flat)
 
 
@@ -125,33 +128,7 @@ class EFSignSGDAlgorithm(Algorithm):
         return EFSignSGDAlgorithmImpl(process_group, self.error_feedback)
 
 
-class EFSignSGDForm(StackedForm):
-    """The same algorithm on the engine's stacked state: each bucket of every worker is a
-    row of ``grads[:, start:end]``, so steps 1–4 run on all workers at once."""
-
-    def __init__(self, algorithm: EFSignSGDAlgorithm, engine):
-        super().__init__(algorithm, engine)
-        grads = engine.model.grads
-        self.errors = [torch.zeros(self.n, b.size, dtype=torch.float32, device=grads.device)
-                       for b in engine.model.layout.buckets] if algorithm.error_feedback else None
-
-    @torch.no_grad()
-    def after_backward(self, step: int) -> None:
-        grads = self.engine.model.grads
-        for index, bucket in enumerate(self.engine.model.layout.buckets):
-            flat = grads[:, bucket.start:bucket.end]
-            p = flat.float()
-            if self.errors is not None:
-                p = p + self.errors[index]                                   # 1.
-            scale, signs = sign_message(p)                                   # 2. every worker's δ
-            if self.errors is not None:
-                self.errors[index].copy_(p - message_value(scale, signs))    # 3. e ← p − δ
-            mean = message_value(scale, signs).sum(0).div_(self.n)           # 4.
-            flat.copy_(mean.expand_as(flat))
-
-
 GlobalAlgorithmRegistry.register("ef_sign_sgd", EFSignSGDAlgorithm, "scaled gradient signs averaged, with error feedback")
-register_form(EFSignSGDAlgorithm, EFSignSGDForm)
 
 
 def main(argv=None) -> None:

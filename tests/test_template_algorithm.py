@@ -94,9 +94,10 @@ def test_two_workers_train_as_the_single_process_oracle_and_checkpoint_the_error
         torch.testing.assert_close(saved[0].sort().values, errors[rank].sort().values, rtol=1e-5, atol=1e-6)
 
 
-def test_the_engine_runs_the_template_through_its_registered_form():
-    """register_form, the hook for an algorithm outside the package: the template's
-    stacked form trains n workers in one process as the oracle's n workers."""
+def test_the_engine_runs_the_template_s_own_op_with_nothing_registered():
+    """An algorithm outside the package on the one-process engine: its own op, run for
+    the n workers at once on stacked buckets, trains as the oracle's n workers, and its
+    error buffer is one row per worker."""
     from bagua_algos.engine import Engine
 
     engine = Engine(_model(), N, ef_sign_sgd.EFSignSGDAlgorithm(), lambda params: torch.optim.SGD(params, lr=LR))
@@ -104,23 +105,40 @@ def test_the_engine_runs_the_template_through_its_registered_form():
     y = torch.stack([_data(rank)[1] for rank in range(N)])
     for _ in range(STEPS):
         engine.step(x, y, torch.nn.functional.cross_entropy)
-    expected, _ = _oracle()
+    expected, errors = _oracle()
     for rank in range(N):
         state = engine.model.worker_state(rank)
         for (name, _), want in zip(_model().named_parameters(), expected):
             torch.testing.assert_close(state[name], want, rtol=1e-5, atol=1e-6)
+    (bucket,) = engine.runtime.bagua_buckets
+    assert bucket.state["ef_sign_error"].shape == (N, bucket.numel)
+    for rank in range(N):
+        torch.testing.assert_close(bucket.state["ef_sign_error"][rank].sort().values, errors[rank].sort().values,
+                                   rtol=1e-5, atol=1e-6)
 
 
-def test_the_engine_names_what_an_unregistered_algorithm_lacks():
+def test_the_engine_says_why_an_algorithm_it_cannot_stack_fails():
+    """A per-rank buffer where the engine needs a row per worker is named, with the way
+    out."""
     from bagua_algos.engine import Engine
-    from bagua_algos.runtime.algorithm import Algorithm
+    from bagua_algos.runtime import comm
+    from bagua_algos.runtime.algorithm import Algorithm, AlgorithmImpl
 
-    class Unknown(Algorithm):
+    class PerRankBuffer(AlgorithmImpl):
+        def init_operations(self, bagua_ddp, bucket):
+            bucket.clear_ops()
+            mine = torch.zeros(bucket.numel)  # a rank's shape: no row per worker
+            bucket.append_python_op(lambda name: comm.allreduce_inplace(mine, group=self.process_group))
+
+    class Unstackable(Algorithm):
         def reify(self, process_group):
-            raise NotImplementedError
+            return PerRankBuffer(process_group)
 
-    with pytest.raises(TypeError, match=r"no form for Unknown.*register_form\(AlgorithmClass, FormClass\)"):
-        Engine(_model(), 2, Unknown(), lambda params: torch.optim.SGD(params, lr=LR))
+    engine = Engine(_model(), 2, Unstackable(), lambda params: torch.optim.SGD(params, lr=LR))
+    x = torch.stack([_data(rank)[0] for rank in range(2)])
+    y = torch.stack([_data(rank)[1] for rank in range(2)])
+    with pytest.raises(ValueError, match=r"a row of a stacked tensor.*zeros_like\(bucket.flat_view\(\)\)"):
+        engine.step(x, y, torch.nn.functional.cross_entropy)
 
 
 def _flatten(tree, prefix=""):

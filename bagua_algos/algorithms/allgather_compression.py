@@ -54,19 +54,22 @@ def contribution(grad: torch.Tensor, state: dict, momentum, error_feedback: bool
 
 @torch.no_grad()
 def bucket_step(settings, codec, flat: torch.Tensor, state: dict, allgather, generator=None) -> int:
-    """One worker's step of one bucket, in place: ``flat`` (the bucket's gradients, ``[N]``)
-    becomes the update; ``state`` holds the bucket's buffers (``settings.state_buffers()``).
-    Returns the bytes this worker sent. The Bagua op and the DDP hook both run it."""
+    """The step of one bucket, in place: ``flat`` (the bucket's gradients, a worker's
+    ``[N]``, or ``[W, N]`` on the one-process engine) becomes the update; ``state``
+    holds the bucket's buffers (``settings.state_buffers()``, shaped as ``flat``).
+    Returns the bytes a worker sent. The Bagua op and the DDP hook both run it."""
     a = contribution(flat, state, settings.momentum, settings.error_feedback)
     update, sent = compress_aggregate(codec, a, allgather, error=state.get("error"), generator=generator)
-    flat.copy_(update)
+    flat.copy_(update.expand_as(flat))
     return sent
 
 
-def allgather_into_rows(message: torch.Tensor, group) -> torch.Tensor:
-    """Every member's ``message`` (``[B]``) as ``[W, B]`` in rank order, over ``group``."""
-    out = torch.empty(comm.get_world_size(group), message.numel(), dtype=message.dtype, device=message.device)
-    comm.allgather(message, out, group=group)
+def allgather_into_rows(messages: torch.Tensor, group) -> torch.Tensor:
+    """Every member's message as ``[n, B]`` in rank order, over ``group``, from this
+    process's ``[W, B]`` messages (W = 1 in a job; the engine's n rows)."""
+    n, size = comm.get_world_size(group), messages.shape[-1]
+    out = torch.empty(n, size, dtype=messages.dtype, device=messages.device)
+    comm.allgather(messages if comm.is_stacked(group) else messages.reshape(-1), out, group=group)
     return out
 
 
@@ -104,7 +107,10 @@ class AllgatherCompressionImpl(CountsBytes, AlgorithmImpl):
         self.settings = settings
         self._codecs: dict = {}  # bucket name → its codec
         self._optimizers_checked = False
-        self.generator = settings.rank_generator(self.rank)
+        generators = [settings.rank_generator(rank) for rank in self.row_ranks]
+        # (one per worker on the one-process engine, whose op runs every worker's rows)
+        self.generator = None if not settings.samples else (
+            generators if comm.is_stacked(process_group) else generators[0])
         self.init_byte_counts()  # bytes_last_step, bytes_total, uncompressed_bytes_last_step
 
     def init_operations(self, bagua_ddp, bucket) -> None:
@@ -112,12 +118,11 @@ class AllgatherCompressionImpl(CountsBytes, AlgorithmImpl):
             self._optimizers_checked = True
             self.settings.check_optimizers(bagua_ddp.bagua_optimizers)
         bucket.clear_ops()
-        shapes = [tuple(t.bagua_getter_closure().shape) for t in bucket.tensors]
-        self._codecs[bucket.name] = self.settings.make_codec(shapes, bucket.dtype)
-        numel = sum(t.bagua_getter_closure().numel() for t in bucket.tensors)
+        self._codecs[bucket.name] = self.settings.make_codec(bucket.shapes, bucket.dtype)
         for name in self.settings.state_buffers():
-            if not (torch.is_tensor(bucket.state.get(name)) and bucket.state[name].numel() == numel):
-                bucket.state[name] = torch.zeros(numel, dtype=bucket.dtype, device=bucket.device)
+            zeros = bucket.flat_zeros()  # a worker's [N] (the engine: [n, N])
+            if not (torch.is_tensor(bucket.state.get(name)) and bucket.state[name].shape == zeros.shape):
+                bucket.state[name] = zeros
         bucket.append_python_op(lambda name, b=bucket: self._run(bagua_ddp, b), group=self.process_group)
 
     def _allgather(self, message: torch.Tensor) -> torch.Tensor:
@@ -128,7 +133,7 @@ class AllgatherCompressionImpl(CountsBytes, AlgorithmImpl):
         sent = bucket_step(self.settings, self._codecs[bucket.name], flat, bucket.state, self._allgather,
                            self.generator)
         bucket.write_flat(flat)
-        self.count_bytes(bagua_ddp.bagua_train_step_counter, sent, flat.numel() * flat.element_size())
+        self.count_bytes(bagua_ddp.bagua_train_step_counter, sent, bucket.numel * flat.element_size())
 
 
     def state_dict(self) -> dict:

@@ -257,6 +257,12 @@ class AsyncModelAverageAlgorithm(Algorithm):
         warmup_steps: synchronous gradient-allreduce steps before the asynchronous phase.
     """
 
+    #: Why the one-process engine refuses it (engine/runtime.py asks before training).
+    ENGINE_REFUSAL = (
+        "its workers average on a background thread every sync_interval_ms of wall-clock time while "
+        "training goes on, so which steps an average sees depends on each process's speed and has no "
+        "deterministic stacked form")
+
     def __init__(self, peer_selection_mode: str = "all", sync_interval_ms: int = 500, warmup_steps: int = 0):
         self.peer_selection_mode = check_choice("peer_selection_mode", peer_selection_mode, ("all",))
         self.sync_interval_ms = check_int("sync_interval_ms", sync_interval_ms, 0)

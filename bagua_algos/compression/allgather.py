@@ -18,9 +18,9 @@ A codec works on a leading worker dimension: ``encode`` takes ``[W, N]`` contrib
 and returns ``[W, B]`` uint8 messages, row by row (row w's bytes depend on row w only),
 ``decode`` turns ``[W, B]`` messages back into each sender's ``[W, N]`` approximation and
 ``aggregate`` combines ``[W, B]`` messages into the ``[N]`` update. A process calls them
-with W = 1 for its own message and with the allgather's ``[W, B]``; the one-process
-engine calls them with every worker's rows at once; the same bytes go into the same
-``aggregate``, so both forms compute the same update.
+with W = 1 for its own message and with the allgather's ``[W, B]``; on the one-process
+engine the same op calls them with every worker's rows at once (the stacked allgather
+returns the rows themselves); the same bytes go into the same ``aggregate``.
 
 The bytes a worker sends are its message's, ``codec.message_bytes`` (what it hands to
 the allgather, as PowerSGD counts what it hands to its allreduces).
@@ -34,7 +34,7 @@ import torch
 
 from ..arguments import check_int
 
-__all__ = ["AllgatherCodec", "compress_aggregate", "stacked_compress_aggregate", "as_bytes", "from_bytes",
+__all__ = ["AllgatherCodec", "compress_aggregate", "as_bytes", "from_bytes",
            "check_numels"]
 
 
@@ -70,26 +70,19 @@ def from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def compress_aggregate(codec: AllgatherCodec, contribution: torch.Tensor,
                        allgather: Callable[[torch.Tensor], torch.Tensor],
                        error: Optional[torch.Tensor] = None, generator=None) -> tuple[torch.Tensor, int]:
-    """One worker's step (the module's steps 2–5) on its flat ``contribution`` ``[N]``.
+    """The workers' step (the module's steps 2–5) on their flat contributions.
 
-    ``allgather(message)`` takes this worker's ``[B]`` uint8 message and returns every
-    worker's, ``[W, B]`` in rank order. ``error`` (``[N]``, optional) is overwritten
-    with contribution − D(own message). ``generator``: this worker's random stream, for
-    a codec that samples (Atomo). Returns the update ``[N]`` (the contribution's dtype)
-    and the bytes this worker sent."""
-    message = codec.encode(contribution.unsqueeze(0), None if generator is None else [generator])
+    ``contribution``: one worker's ``[N]`` (a job), or W workers' ``[W, N]`` (the
+    one-process engine, a row each). ``allgather(messages)`` takes the ``[W, B]`` uint8
+    messages and returns every worker's, ``[n, B]`` in rank order. ``error`` (shaped as
+    ``contribution``, optional) is overwritten with contribution − D(own message).
+    ``generator``: a worker's random stream (a sequence of one per row for ``[W, N]``),
+    for a codec that samples (Atomo). Returns the update ``[N]`` (the same for every
+    worker, in the contribution's dtype) and the bytes a worker sent."""
+    rows = contribution.unsqueeze(0) if contribution.dim() == 1 else contribution
+    generators = None if generator is None else (list(generator) if contribution.dim() == 2 else [generator])
+    message = codec.encode(rows, generators)
     if error is not None:
-        error.copy_(contribution - codec.decode(message)[0])
-    messages = allgather(message[0])
-    return codec.aggregate(messages).to(contribution.dtype), message.numel()
-
-
-def stacked_compress_aggregate(codec: AllgatherCodec, contributions: torch.Tensor,
-                               errors: Optional[torch.Tensor] = None, generators=None) -> torch.Tensor:
-    """Every worker's step at once (the one-process engine): ``contributions`` ``[W, N]``,
-    ``errors`` ``[W, N]`` overwritten as in :func:`compress_aggregate`; the allgather is
-    the stacked messages themselves. Returns the update ``[N]``, the same for all."""
-    messages = codec.encode(contributions, generators)
-    if errors is not None:
-        errors.copy_(contributions - codec.decode(messages))
-    return codec.aggregate(messages).to(contributions.dtype)
+        error.copy_((rows - codec.decode(message)).view(error.shape))
+    messages = allgather(message)
+    return codec.aggregate(messages).to(contribution.dtype), message.shape[-1]

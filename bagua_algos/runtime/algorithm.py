@@ -196,8 +196,18 @@ class AlgorithmImpl:
 
     @property
     def rank(self) -> int:
-        """Rank inside this algorithm's process group."""
+        """Rank inside this algorithm's process group (on the one-process engine, every
+        worker's: ``torch.arange(n)``)."""
         return comm.group_rank(self.process_group)
+
+    @property
+    def row_ranks(self) -> list[int]:
+        """The group ranks of the workers this impl runs: ``[rank]`` in a job, every
+        worker's ``[0, …, n − 1]`` on the one-process engine (its tensors a row each):
+        what per-worker state that is not a tensor (a random stream) is built for."""
+        if comm.is_stacked(self.process_group):
+            return list(range(comm.get_world_size(self.process_group)))
+        return [self.rank]
 
 
 class _Registry:

@@ -189,6 +189,17 @@ class BaguaBucket:
             expected += n * effective.element_size()
         return True
 
+    @property
+    def shapes(self) -> list:
+        """A worker's shape of each of the bucket's tensors (the padding excluded)."""
+        return [tuple(shape) for shape in self._shapes[:len(self.tensors)]]
+
+    def flat_zeros(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Zeros shaped as the bucket's flat tensor, ``[numel]`` (``[n, numel]`` on the
+        one-process engine): the home of per-worker state such as an error buffer, so
+        an algorithm written once keeps a row per worker there."""
+        return torch.zeros(*self._lead, self.numel, dtype=dtype or self.dtype, device=self.device)
+
     def bytes(self) -> int:
         """Bytes of the bucket's effective tensors (the padding excluded)."""
         item = torch.empty((), dtype=self.dtype).element_size()

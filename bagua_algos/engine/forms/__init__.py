@@ -42,7 +42,6 @@ def _register_builtin() -> None:
                                PowerSGDAlgorithm, QAdamAlgorithm, RandomBlockAlgorithm, RandomKAlgorithm,
                                RelayAlgorithm, SignNormAlgorithm, SignumAlgorithm, TernGradAlgorithm, TopKAlgorithm,
                                UnbiasedLowRankAlgorithm)
-    from .allgather_compression import AllgatherCompressionForm
     from .powersgd import PowerSGDForm
     from .qadam import QAdamForm
     from .random_sketch import RandomSketchForm
@@ -55,12 +54,6 @@ def _register_builtin() -> None:
     register_form(PowerSGDAlgorithm, PowerSGDForm)
     for sketch_algorithm in (UnbiasedLowRankAlgorithm, RandomBlockAlgorithm, RandomKAlgorithm):
         register_form(sketch_algorithm, RandomSketchForm)
-    for allgather_compressor in (TopKAlgorithm, SignNormAlgorithm, SignumAlgorithm, AtomoAlgorithm):
-        register_form(allgather_compressor, AllgatherCompressionForm)
-    _REFUSED[AsyncModelAverageAlgorithm] = (
-        "its workers average on a background thread every sync_interval_ms of wall-clock time while "
-        "training goes on, so which steps an average sees depends on each process's speed and has no "
-        "deterministic stacked form; run it as processes (--engine processes)")
 
 
 _register_builtin()

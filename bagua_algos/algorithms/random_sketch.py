@@ -79,14 +79,14 @@ class RandomSketchAlgorithmImpl(CountsBytes, AlgorithmImpl):
 
     def init_operations(self, bagua_ddp, bucket) -> None:
         bucket.clear_ops()
-        shapes = [tuple(t.bagua_getter_closure().shape) for t in bucket.tensors]
+        shapes = bucket.shapes  # a worker's
         plan = self._plans[bucket.name] = self.settings.plan(shapes)
         if bucket.state.get("plan_shapes") != [list(s) for s in shapes]:
             names = ",".join(t.bagua_tensor_name for t in bucket.tensors)
             bucket.state.clear()
             bucket.state.update(sketch.init_state(psgd.stable_seed(self.settings.seed, names)))
             if self.settings.error_feedback:
-                bucket.state["error"] = torch.zeros(sum(plan.numels), dtype=bucket.dtype, device=bucket.device)
+                bucket.state["error"] = bucket.flat_zeros()  # a worker's [N] (the engine: [n, N])
             bucket.state["plan_shapes"] = [list(s) for s in shapes]
         bucket.append_python_op(lambda name, b=bucket: self._run(bagua_ddp, b), group=self.process_group)
 

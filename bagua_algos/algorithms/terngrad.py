@@ -42,6 +42,7 @@ import torch
 
 from ..arguments import SEED_LIMIT, check_choice, check_flag, check_real, check_seed, rank_seed
 from ..compression import minmax
+from ..runtime import comm
 from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from ..runtime.bucket import aligned_buckets
 from ..runtime.ops import compressed_scatter_gather
@@ -65,8 +66,9 @@ def clip_rows_by_std(rows: torch.Tensor, c: float) -> torch.Tensor:
 
 
 def clip_by_std(g: torch.Tensor, c: float) -> torch.Tensor:
-    """:func:`clip_rows_by_std` of the flat ``g`` as one row, in place."""
-    clip_rows_by_std(g.view(1, -1), c)
+    """:func:`clip_rows_by_std` of each worker's values, in place: the flat ``g`` of one
+    worker as one row, or the one-process engine's ``[n, m]`` row by row."""
+    clip_rows_by_std(g.view(1, -1) if g.dim() == 1 else g, c)
     return g
 
 
@@ -107,7 +109,9 @@ class TernGradAlgorithmImpl(AlgorithmImpl):
         self.error_feedback = error_feedback
         self.clip = clip
         self.seed = seed
-        self.rounding = RoundingStream(seed, self.rank)
+        # a rank's stream; on the one-process engine one per worker (its op runs them all)
+        streams = [RoundingStream(seed, rank) for rank in self.row_ranks]
+        self.rounding = streams if comm.is_stacked(process_group) else streams[0]
 
     def tensors_to_buckets(self, tensors: list, do_flatten: bool) -> list[BaguaBucket]:
         return aligned_buckets(tensors, do_flatten, self.world_size)  # one chunk per worker
@@ -115,7 +119,7 @@ class TernGradAlgorithmImpl(AlgorithmImpl):
     def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
         if self.error_feedback:
-            bucket.state["terngrad_error"] = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.device)
+            bucket.state["terngrad_error"] = bucket.flat_zeros(torch.float32)  # a worker's (the engine: [n, N])
         bucket.append_python_op(lambda name: self._reduce(bucket), group=self.process_group)
 
     def _rounding_generator(self, device: torch.device) -> torch.Generator | None:
@@ -141,7 +145,10 @@ class TernGradAlgorithmImpl(AlgorithmImpl):
                 v.add_(bucket.state["terngrad_error"])
             result = v.clone()
             # the buckets run in a fixed order on the communication thread: reproducible keys
-            generator = self.rounding.reduction_generator(result.device) if self.stochastic else None
+            generator = None
+            if self.stochastic:
+                generator = ([stream.reduction_generator(result.device) for stream in self.rounding]
+                             if isinstance(self.rounding, list) else self.rounding.reduction_generator(result.device))
             sent = compressed_scatter_gather(result, self.bits, True, self.process_group,
                                              stochastic=self.stochastic, generator=generator)
             if self.error_feedback:
@@ -151,12 +158,18 @@ class TernGradAlgorithmImpl(AlgorithmImpl):
         bucket.write_flat(flat)
 
     def state_dict(self) -> dict:
+        if isinstance(self.rounding, list):  # the one-process engine: every worker's stream
+            return {"generator_state": [stream.generator.get_state() for stream in self.rounding]}
         return {"generator_state": self.rounding.generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        if state.get("generator_state") is not None:
-            self.rounding.generator.set_state(state["generator_state"].clone())
+        saved = state.get("generator_state")
+        if saved is None:
+            return
+        for stream, value in zip(self.rounding if isinstance(self.rounding, list) else [self.rounding],
+                                 saved if isinstance(saved, list) else [saved]):
+            stream.generator.set_state(value.clone())
 
 
 class TernGradAlgorithm(Algorithm):

@@ -44,16 +44,11 @@ def _register_builtin() -> None:
                                UnbiasedLowRankAlgorithm)
     from .powersgd import PowerSGDForm
     from .qadam import QAdamForm
-    from .random_sketch import RandomSketchForm
     from .relay import RelayForm
-    from .terngrad import TernGradForm
 
     register_form(RelayAlgorithm, RelayForm)
-    register_form(TernGradAlgorithm, TernGradForm)
     register_form(QAdamAlgorithm, QAdamForm)
     register_form(PowerSGDAlgorithm, PowerSGDForm)
-    for sketch_algorithm in (UnbiasedLowRankAlgorithm, RandomBlockAlgorithm, RandomKAlgorithm):
-        register_form(sketch_algorithm, RandomSketchForm)
 
 
 _register_builtin()

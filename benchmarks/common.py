@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
+from bagua_algos.algorithm_source import is_algorithm_source, load_algorithm_class
+
 # keys of a config that are with_bagua's arguments, not the algorithm's
 WITH_BAGUA_KEYS = ("do_flatten", "bucket_size")
 # keys of a ``qadam`` config that go to its QAdamOptimizer, not to QAdamAlgorithm
@@ -126,11 +128,12 @@ def config_spec(config) -> str:
 class BenchConfig:
     """One ``--configs`` entry: ``ddp`` or an algorithm with its arguments."""
 
-    def __init__(self, spec: str, name: str, kwargs: dict, wrap_kwargs: dict):
+    def __init__(self, spec: str, name: str, kwargs: dict, wrap_kwargs: dict, algorithm_class=None):
         self.spec = spec  # as written, the row's label
-        self.name = name
+        self.name = name  # a registered name, or the code's FILE.py:ClassName / module:ClassName
         self.kwargs = kwargs  # the algorithm's (or DDP's) arguments
         self.wrap_kwargs = wrap_kwargs  # with_bagua's (do_flatten, bucket_size)
+        self.algorithm_class = algorithm_class  # the class named by its code, else None
 
     @property
     def is_ddp(self) -> bool:
@@ -156,6 +159,8 @@ class BenchConfig:
 
                     optimizer = self.build_qadam_optimizer([torch.nn.Parameter(torch.zeros(1))], lr=0.001)
                 return Algorithm.init(self.name, q_adam_optimizer=optimizer, **algorithm_kwargs)
+            if self.algorithm_class is not None:
+                return self.algorithm_class(**self.kwargs)
             return Algorithm.init(self.name, **self.kwargs)
         except ValueError as err:
             if self.name not in _available_algorithms():
@@ -192,7 +197,12 @@ def _available_algorithms() -> list[str]:
 
 
 def parse_configs(text: str) -> list[BenchConfig]:
-    """Parse ``--configs`` and check every algorithm exists and accepts its arguments."""
+    """Parse ``--configs`` and check every algorithm exists and accepts its arguments.
+
+    An entry is ``NAME[:key=value,...]`` (a registered algorithm, or ``ddp``), or an
+    algorithm named by its code: ``FILE.py:ClassName[:key=value,...]`` or
+    ``package.module:ClassName[:key=value,...]`` (:mod:`bagua_algos.algorithm_source`;
+    a file written for Bagua loads with the compatibility package on the path)."""
     configs = []
     for raw in text.split(";"):
         spec = raw.strip()
@@ -202,6 +212,14 @@ def parse_configs(text: str) -> list[BenchConfig]:
         name = name.strip()
         if not name:
             raise ConfigError(f"config {spec!r}: missing the algorithm name before ':'")
+        algorithm_class = None
+        second, _, after = rest.partition(":")
+        if is_algorithm_source(name, second):  # FILE.py:ClassName[:...] or package.module:ClassName[:...]
+            name, rest = f"{name}:{second.strip()}", after
+            try:
+                algorithm_class = load_algorithm_class(name)
+            except ValueError as err:
+                raise ConfigError(f"config {spec!r}: {err}") from None
         kwargs: dict = {}
         for item in rest.split(","):
             item = item.strip()
@@ -223,7 +241,7 @@ def parse_configs(text: str) -> list[BenchConfig]:
                 isinstance(wrap_kwargs["bucket_size"], int) and wrap_kwargs["bucket_size"] > 0
             ):
                 raise ConfigError(f"config {spec!r}: bucket_size must be a positive number of bytes")
-        config = BenchConfig(spec, name, kwargs, wrap_kwargs)
+        config = BenchConfig(spec, name, kwargs, wrap_kwargs, algorithm_class)
         if not config.is_ddp:
             config.build_algorithm()  # unknown names and bad arguments fail here, before any training
         configs.append(config)

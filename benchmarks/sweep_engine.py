@@ -14,7 +14,7 @@ import time
 import numpy as np
 import torch
 
-from bagua_algos.engine import Engine, form_for
+from bagua_algos.engine import Engine, form_for, refusal
 from bagua_algos.engine.data import WorkerShares
 from bagua_algos.runtime.bucket import DEFAULT_BUCKET_SIZE
 
@@ -54,10 +54,12 @@ class Diverged(RuntimeError):
 def stacked_config_error(config) -> str | None:
     """Why ``config`` cannot run on the engine (None when it can)."""
     try:
-        form_for(config.build_algorithm())
+        algorithm = config.build_algorithm()
+        form_for(algorithm)
     except TypeError as err:
         return str(err)
-    return None
+    why = refusal(algorithm)
+    return None if why is None else f"the one-process engine does not run {type(algorithm).__name__}: {why}"
 
 
 def activation_bytes_per_sample(model: torch.nn.Module, sample: torch.Tensor) -> int:

@@ -55,6 +55,10 @@ def build_algorithm(name, kwargs, optimizer_=None):
     from bagua_algos import Algorithm
 
     kwargs = {k: v for k, v in kwargs.items() if k != "optimizer"}
+    if ":" in name:  # an algorithm named by its code, FILE.py:ClassName (as the sweep's --configs)
+        from bagua_algos.algorithm_source import load_algorithm_class
+
+        return load_algorithm_class(name)(**kwargs)
     if name == "qadam":
         return Algorithm.init(name, q_adam_optimizer=optimizer_, **kwargs)
     return Algorithm.init(name, **kwargs)

@@ -6,6 +6,8 @@ past that, the per-rank path on torchrun scales out."""
 
 from .engine import Engine
 from .forms import StackedForm, form_for, register_form
+from .runtime import EngineRefusal, StackedRuntime, refusal
 from .stacked import Layout, StackedModel
 
-__all__ = ["Engine", "Layout", "StackedForm", "StackedModel", "form_for", "register_form"]
+__all__ = ["Engine", "EngineRefusal", "Layout", "StackedForm", "StackedModel", "StackedRuntime", "form_for",
+           "refusal", "register_form"]

@@ -208,11 +208,12 @@ def _qadam_engine(optimizer_factory=None, net=None, params=None, **optimizer_kwa
     return Engine(net, 4, QAdamAlgorithm(q_adam), optimizer_factory), net, q_adam
 
 
-def test_qadam_form_takes_its_optimizer_from_the_algorithm_and_refuses_what_it_cannot_stack():
+def test_qadam_on_the_engine_takes_its_optimizer_from_the_algorithm_and_refuses_what_it_cannot_stack():
     engine, _, q_adam = _qadam_engine(weight_decay=0.0, variant="frozen")
     assert type(engine.optimizer) is type(q_adam) and engine.optimizer.variant == "frozen"
     assert engine.optimizer.warmup_steps == q_adam.warmup_steps
-    assert engine.optimizer.param_groups[0]["params"] == [engine.model.params]
+    stacked_views = [view for _, view in engine.runtime.bagua_build_params()]
+    assert engine.optimizer.param_groups[0]["params"] == stacked_views  # every worker's parameters, a row each
     with pytest.raises(ValueError, match="optimizer: QAdam's optimizer is the QAdamOptimizer inside"):
         _qadam_engine(engine_cases.optimizer)
     net = engine_cases.model()
@@ -249,7 +250,9 @@ def test_low_precision_decentralized_on_the_engine_names_a_worker_with_nan_weigh
         engine.step(x[:32].view(4, 8, 12), y[:32].view(4, 8), torch.nn.functional.cross_entropy)
 
 
-def test_qadam_form_names_a_worker_with_nan_momentum():
+def test_qadam_on_the_engine_names_a_worker_with_nan_momentum():
+    """Worker 1's gradient is NaN in the compression phase: the compressed average of
+    the momenta names it, as the per-rank op names its rank."""
     from bagua_algos.algorithms import QAdamAlgorithm, QAdamOptimizer
     from bagua_algos.engine import Engine
 
@@ -257,13 +260,12 @@ def test_qadam_form_names_a_worker_with_nan_momentum():
     engine = Engine(net, 4, QAdamAlgorithm(QAdamOptimizer(net.parameters(), **engine_cases.QADAM_OPTIMIZER),
                                            hierarchical=False), None)
     x, y = engine_cases.data()
+    x, y = x[:32].view(4, 8, 12).clone(), y[:32].view(4, 8)
     for _ in range(engine_cases.QADAM_OPTIMIZER["warmup_steps"]):
-        engine.step(x[:32].view(4, 8, 12), y[:32].view(4, 8), torch.nn.functional.cross_entropy)
-    engine.form.before_forward(engine.steps + 1)  # the compression phase from here
-    with torch.no_grad():
-        engine.optimizer.state[engine.model.params]["exp_avg"][1, 7] = float("inf")
-    with pytest.raises(ValueError, match=r"the momentum of worker\(s\) \[1\] has NaN/inf values"):
-        engine.form.after_backward(engine.steps + 1)
+        engine.step(x, y, torch.nn.functional.cross_entropy)
+    x[1, 3, 5] = float("nan")  # the compression phase from this step
+    with pytest.raises(ValueError, match=r"the bucket's values of rank\(s\) \[1\] has NaN/inf values"):
+        engine.step(x, y, torch.nn.functional.cross_entropy)
 
 
 # --- the quantizing forms, given the same gradients: bit for bit ---------------------------

@@ -287,6 +287,37 @@ class QAdamAlgorithm(Algorithm):
     def reify(self, process_group) -> QAdamAlgorithmImpl:
         return QAdamAlgorithmImpl(process_group, q_adam_optimizer=self.optimizer, hierarchical=self.hierarchical)
 
+    _GROUP_SETTINGS = ("lr", "betas", "eps", "weight_decay")
+
+    def for_parameters(self, module: torch.nn.Module, params: list, optimizer_factory) -> tuple:
+        """(the algorithm, its optimizer) for other tensors standing for ``module``'s
+        parameters (the one-process engine's stacked ones, ``params`` in the module's
+        order): QAdam owns its optimizer, so the engine takes no other; this is a
+        QAdamOptimizer with the same settings, on ``params``."""
+        if optimizer_factory is not None:
+            raise ValueError(
+                "optimizer: QAdam's optimizer is the QAdamOptimizer inside QAdamAlgorithm (the engine stacks its "
+                "settings); pass optimizer=None with qadam")
+        user = self.optimizer
+        if any(len(state) for state in user.state.values()):
+            raise ValueError("q_adam_optimizer has already taken steps; the engine starts QAdam from step 0, so give "
+                             "it a QAdamOptimizer that has not stepped")
+        in_optimizer = {id(p) for group in user.param_groups for p in group["params"]}
+        missing = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in in_optimizer]
+        if missing:
+            raise ValueError(
+                f"QAdamAlgorithm: parameters {missing} are not in the QAdamOptimizer given to QAdamAlgorithm; "
+                "build the QAdamOptimizer from all of the module's trainable parameters")
+        settings = [{key: group[key] for key in self._GROUP_SETTINGS} for group in user.param_groups]
+        if any(s != settings[0] for s in settings[1:]):
+            raise ValueError(
+                f"q_adam_optimizer has parameter groups with different settings {settings}; the engine's stacked "
+                "QAdam takes one setting of (lr, betas, eps, weight_decay) for the whole model")
+        with warnings.catch_warnings():  # the user's optimizer already warned about its settings
+            warnings.simplefilter("ignore", UserWarning)
+            optimizer = QAdamOptimizer(params, warmup_steps=user.warmup_steps, variant=user.variant, **settings[0])
+        return QAdamAlgorithm(optimizer, hierarchical=self.hierarchical), optimizer
+
 
 GlobalAlgorithmRegistry.register(
     "qadam", QAdamAlgorithm, "Adam with exact warm-up, then the momentum averaged through 8-bit compression (Bagua's QAdam)"

@@ -119,7 +119,15 @@ class StackedRuntime:
         registered (a post-step hook that marks them ready finds them there)."""
         self.model = StackedModel(self.module, self.n, layout, self.device)
         self._views()
-        self.bagua_optimizers = [optimizer_factory([view for _, view in self.bagua_build_params()])]
+        params = [view for _, view in self.bagua_build_params()]
+        for_parameters = getattr(self.algorithm, "for_parameters", None)
+        if for_parameters is not None:  # an algorithm that owns its optimizer (QAdam): its own, on the views
+            algorithm, optimizer = for_parameters(self.module, params, optimizer_factory)
+            with comm.stacked_world(self.group):
+                self.bagua_algorithm = algorithm.reify(self.group)
+        else:
+            optimizer = optimizer_factory(params)
+        self.bagua_optimizers = [optimizer]
 
     def _views(self) -> None:
         model = self.model
@@ -158,9 +166,24 @@ class StackedRuntime:
             groups.append((bucket.name, names, padding))
         return Layout.of_buckets(self.module, groups)
 
-    def _set_up(self) -> None:
-        """Bagua's ``_bagua_init_algorithm`` on the stacked state (also after a reset)."""
+    def _broadcast_from_the_first_worker(self) -> None:
+        """What the runtime's set-up broadcasts from the group's first rank: parameters,
+        buffers and optimizer state, here row 0 to every row (comm's stacked broadcast)."""
+        with torch.no_grad():
+            tensors = [self.model.params.detach(), *self.model.buffers.values()]
+            for optimizer in self.bagua_optimizers:
+                for state in optimizer.state.values():
+                    tensors += [v for _, v in sorted(state.items()) if torch.is_tensor(v) and v.dim() > 0]
+            for tensor in tensors:
+                comm.broadcast(tensor, src=0, group=self.group)
+
+    def _set_up(self, reset: bool = False) -> None:
+        """Bagua's ``_bagua_init_algorithm`` on the stacked state (again at a reset,
+        which first broadcasts as the runtime does; at the start every row holds the
+        same model already)."""
         self._bagua_backend.wait_pending_comm_ops()
+        if reset:
+            self._broadcast_from_the_first_worker()
         for bucket in self.model.layout.buckets:
             if bucket.end > bucket.start + bucket.numel:
                 for stacked in (self.model.params.detach(), self.model.params.grad):
@@ -187,7 +210,7 @@ class StackedRuntime:
         with comm.stacked_world(self.group):
             self.bagua_train_step_counter += 1
             if self.bagua_algorithm.need_reset():
-                self._set_up()
+                self._set_up(reset=True)
             self._forward_pre_hook((x,))
             losses = self.model.forward_backward(x, y, loss_fn)  # overwrites every gradient
             for name, param in self._ready_order:

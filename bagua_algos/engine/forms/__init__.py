@@ -43,11 +43,9 @@ def _register_builtin() -> None:
                                RelayAlgorithm, SignNormAlgorithm, SignumAlgorithm, TernGradAlgorithm, TopKAlgorithm,
                                UnbiasedLowRankAlgorithm)
     from .powersgd import PowerSGDForm
-    from .qadam import QAdamForm
     from .relay import RelayForm
 
     register_form(RelayAlgorithm, RelayForm)
-    register_form(QAdamAlgorithm, QAdamForm)
     register_form(PowerSGDAlgorithm, PowerSGDForm)
 
 

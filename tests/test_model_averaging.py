@@ -158,9 +158,11 @@ def _relay_checks(rank, n):
     bagua = checkpoint["bagua"]
     out["state_keys"] = (sorted(bagua["algorithm_state"]), {b: sorted(st) for b, st in bagua["bucket_state"].items()})
     impl, buckets = model.bagua_algorithm, model.bagua_ddp.bagua_buckets
+    # relay_step builds the next messages from bucket.state["relay_received"] itself: a
+    # [1, neighbours, L] tensor per tree, this rank's slot per tree neighbour
     out["state_is_live"] = all(
-        bucket.state["relay_received"][k][j] is impl._links[(bucket.name, k)].recv[j]
-        for bucket in buckets for k in range(len(impl.trees)) for j in impl._links[(bucket.name, k)].neighbors
+        bucket.state["relay_received"][k].shape[:2] == (1, len(impl.trees[k].neighbors(rank)))
+        for bucket in buckets for k in range(len(impl.trees))
     )
     # Mode "world_size" resumes too, x0 included: the resumed module is wrapped from
     # another model (so its own x0 differs) before the checkpoint is loaded.

@@ -1,11 +1,11 @@
-"""RelaySum's tensor math in one process: ``relay_messages`` / ``relay_average``.
+"""RelaySum's tensor math in one process: ``relay_messages`` / ``relay_average`` /
+``relay_counts``, on a leading worker dimension and a slot per tree neighbour.
 
-The distributed tests only run trees of degree <= 3 (chain, binary trees), so the
-general path of ``relay_messages`` (four or more neighbours, messages built in the
-spare buffers) is covered here: against a direct term-by-term sum at degrees 1 to 5,
-for the buffer contract the algorithm relies on, by a property test over random
-degrees and sizes, and by a single-process RelaySum over user-built trees (a star on
-six nodes, whose centre has five neighbours, and random trees) that must reach the
+The distributed tests only run trees of degree <= 3 (chain, binary trees), so higher
+degrees are covered here: against a direct term-by-term sum at degrees 1 to 5, with
+workers of different degrees stacked (their absent slots zero), by a property test over
+random degrees and sizes, and by a single-process RelaySum over user-built trees (a star
+on six nodes, whose centre has five neighbours, and random trees) that must reach the
 exact average after ``diameter`` steps.
 """
 
@@ -17,7 +17,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from bagua_algos.algorithms import RelayAlgorithm
-from bagua_algos.algorithms.relay import relay_average, relay_messages
+from bagua_algos.algorithms.relay import relay_average, relay_counts, relay_messages
 from bagua_algos.runtime.topology import check_topology_arg, resolve_topology
 from topologies import Topology
 
@@ -34,76 +34,13 @@ def spread_values(size, generator, dtype=torch.float32):
     return (mantissa * 10.0 ** exponent).to(dtype)
 
 
-def direct_message(x, received, j):
-    """x + Σ_{k≠j} received[k], added term by term: x first, then neighbours in order."""
+def direct_message(x, slots, s):
+    """x + Σ_{t≠s} slots[t], added term by term: x first, then the other slots in order."""
     total = x.clone()
-    for k, r in received.items():
-        if k != j:
+    for t, r in enumerate(slots):
+        if t != s:
             total = total + r
     return total
-
-
-def byte_range(t):
-    start = t.data_ptr()
-    return start, start + t.numel() * t.element_size()
-
-
-def overlap(a, b):
-    (a0, a1), (b0, b1) = byte_range(a), byte_range(b)
-    return a0 < b1 and b0 < a1
-
-
-def make_buffers(neighbors, size, generator, dtype=torch.float32):
-    """Like the algorithm's per-link state: a receive buffer per neighbour and, with two
-    or more neighbours, a second (spare) buffer per neighbour."""
-    received = {j: spread_values(size, generator, dtype) for j in neighbors}
-    spare = {}
-    if len(neighbors) > 1:
-        spare = {j: torch.full((size,), float("nan"), dtype=dtype) for j in neighbors}
-    return received, spare
-
-
-def next_spare(received, spare, targets):
-    """What the algorithm keeps as each neighbour's spare: of its two buffers, the one
-    not received into next."""
-    if not spare:
-        return {}
-    return {j: spare[j] if targets[j] is received[j] else received[j] for j in received}
-
-
-def check_buffer_contract(x, received, spare, messages, targets):
-    """The properties RelayAlgorithmImpl.relay_step relies on."""
-    neighbors = list(received)
-    assert set(messages) == set(neighbors) and set(targets) == set(neighbors)
-    pool = [*received.values(), *spare.values()]
-
-    # no buffer is allocated: every message is x (one neighbour) or a buffer of the pool
-    for j, m in messages.items():
-        if len(neighbors) == 1:
-            assert m is x, "with one neighbour the message is x itself"
-        else:
-            assert any(m is b for b in pool), f"message to {j} is a new tensor"
-            assert not overlap(m, x)
-    # messages in flight are distinct tensors
-    sent = list(messages.values())
-    for a in range(len(sent)):
-        for b in range(a + 1, len(sent)):
-            assert not overlap(sent[a], sent[b]), "two messages share memory"
-    # each neighbour's next message arrives in one of its own two buffers (the caller
-    # swaps the pair by identity), and no target aliases a message being sent or x
-    for j in neighbors:
-        assert targets[j] is received[j] or (spare and targets[j] is spare[j]), j
-        for m in sent:
-            assert not overlap(targets[j], m), f"receive target of {j} aliases a message being sent"
-        assert not overlap(targets[j], x)
-    # targets and next spares: all distinct, together exactly the pool
-    spares = next_spare(received, spare, targets)
-    kept = [*targets.values(), *spares.values()]
-    for a in range(len(kept)):
-        for b in range(a + 1, len(kept)):
-            assert kept[a] is not kept[b] and not overlap(kept[a], kept[b])
-    assert len(kept) == len(pool) and all(any(k is b for b in pool) for k in kept)
-    return spares
 
 
 # ------------------------------------------------------------ relay_messages, exact
@@ -114,92 +51,56 @@ def check_buffer_contract(x, received, spare, messages, targets):
 def test_messages_equal_the_term_by_term_sum(degree, dtype):
     g = torch.Generator().manual_seed(100 + degree)
     size = 1000
-    neighbors = [7, 2, 11, 5, 0][:degree]  # not sorted: "in order" means dict order
     flat = spread_values(size + 10, g, dtype)
-    x = flat[3:3 + size]  # a slice of the flat parameters, as in relay_step
+    x = flat[3:3 + size].view(1, size)  # a slice of the flat parameters, as in relay_step
     flat_before = flat.clone()
-    received, spare = make_buffers(neighbors, size, g, dtype)
-    originals = {j: r.clone() for j, r in received.items()}  # relay_messages may overwrite them
-    expected = {j: direct_message(x, originals, j) for j in neighbors}
-
-    messages, targets = relay_messages(x, dict(received), dict(spare))
-
-    assert set(messages) == set(neighbors)
-    for j in neighbors:
-        assert torch.equal(messages[j], expected[j]), (degree, j)
+    received = spread_values(degree * size, g, dtype).view(1, degree, size)
+    received_before = received.clone()
+    out = torch.full((1, degree, size), float("nan"), dtype=dtype)
+    messages = relay_messages(x, received, out)
+    assert messages is out
+    for s in range(degree):
+        assert torch.equal(messages[0, s], direct_message(x[0], list(received[0]), s)), (degree, s)
     assert torch.equal(flat, flat_before), "x (and the flat tensor around it) must not change"
-    check_buffer_contract(x, received, spare, messages, targets)
-
+    assert torch.equal(received, received_before)
     if degree >= 3:
         # the data is order-sensitive, so the equality above checks the order: the
-        # same terms added neighbours-last-first round differently somewhere
-        j = neighbors[0]
-        reverse = x.clone()
-        for k in reversed(neighbors):
-            if k != j:
-                reverse = reverse + originals[k]
-        assert not torch.equal(reverse, expected[j])
+        # same terms added last slot first round differently somewhere
+        reverse = x[0].clone()
+        for t in reversed(range(1, degree)):
+            reverse = reverse + received[0, t]
+        assert not torch.equal(reverse, messages[0, 0])
 
 
-@pytest.mark.parametrize("degree", [4, 5, 8])
-def test_general_path_builds_messages_in_the_spares_and_keeps_the_received(degree):
-    """With four or more neighbours the received buffers stay intact and become the next
-    targets; the messages are the spare buffers."""
-    g = torch.Generator().manual_seed(degree)
-    neighbors = list(range(degree))
-    x = spread_values(33, g)
-    received, spare = make_buffers(neighbors, 33, g)
-    originals = {j: r.clone() for j, r in received.items()}
-    messages, targets = relay_messages(x, received, spare)
-    for j in neighbors:
-        assert messages[j] is spare[j]
-        assert targets[j] is received[j]
-        assert torch.equal(received[j], originals[j])
-    assert next_spare(received, spare, targets) == spare
-
-
-def test_consecutive_steps_with_swapped_buffers():
-    """Several rounds on one node, swapping the buffers as relay_step does and receiving
-    new messages into the targets: every round's messages stay exact."""
-    g = torch.Generator().manual_seed(5)
-    for degree in range(1, 7):
-        neighbors = list(range(10, 10 + degree))
-        size = 50
-        received, spare = make_buffers(neighbors, size, g)
-        for _ in range(5):
-            x = spread_values(size, g)
-            originals = {j: r.clone() for j, r in received.items()}
-            messages, targets = relay_messages(x, received, spare)
-            for j in neighbors:
-                assert torch.equal(messages[j], direct_message(x, originals, j)), degree
-            spare = check_buffer_contract(x, received, spare, messages, targets)
-            received = targets
-            for t in received.values():  # the neighbours' next messages arrive
-                t.copy_(spread_values(size, g))
+def test_stacked_workers_of_other_degrees_each_get_their_own_messages():
+    """Workers of degrees 1, 2 and 3 stacked with three slots: the absent slots hold
+    zeros, which add exactly nothing, so each row's messages are its own term-by-term
+    sums (the one-process engine's rows equal each process's)."""
+    g = torch.Generator().manual_seed(7)
+    degrees, size = [1, 3, 2], 64
+    x = spread_values(3 * size, g).view(3, size)
+    received = torch.zeros(3, 3, size)
+    for w, d in enumerate(degrees):
+        received[w, :d] = spread_values(d * size, g).view(d, size)
+    messages = relay_messages(x, received, torch.empty(3, 3, size))
+    for w, d in enumerate(degrees):
+        own = list(received[w, :d])
+        for s in range(d):
+            assert torch.equal(messages[w, s], direct_message(x[w], own, s)), (w, s)
 
 
 @PROPERTY
-@given(
-    neighbors=st.lists(st.integers(0, 63), min_size=1, max_size=9, unique=True),
-    size=st.integers(1, 40),
-    offset=st.integers(0, 5),
-    double=st.booleans(),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_property_messages_are_exact_and_buffers_disjoint(neighbors, size, offset, double, seed):
+@given(degree=st.integers(1, 9), size=st.integers(1, 40), workers=st.integers(1, 4), double=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_property_messages_are_exact(degree, size, workers, double, seed):
     dtype = torch.float64 if double else torch.float32
     g = torch.Generator().manual_seed(seed)
-    flat = spread_values(size + offset + 3, g, dtype)
-    x = flat[offset:offset + size]
-    flat_before = flat.clone()
-    received, spare = make_buffers(neighbors, size, g, dtype)
-    originals = {j: r.clone() for j, r in received.items()}
-    messages, targets = relay_messages(x, received, spare)
-    assert set(messages) == set(neighbors)
-    for j in neighbors:
-        assert torch.equal(messages[j], direct_message(x, originals, j))
-    assert torch.equal(flat, flat_before)
-    check_buffer_contract(x, received, spare, messages, targets)
+    x = spread_values(workers * size, g, dtype).view(workers, size)
+    received = spread_values(workers * degree * size, g, dtype).view(workers, degree, size)
+    messages = relay_messages(x, received, torch.empty(workers, degree, size, dtype=dtype))
+    for w in range(workers):
+        for s in range(degree):
+            assert torch.equal(messages[w, s], direct_message(x[w], list(received[w]), s))
 
 
 # ------------------------------------------------------------------- relay_average
@@ -213,17 +114,23 @@ def test_relay_average_adds_in_order_and_divides_once():
     for m in heard:
         expected = expected + m
     expected = expected / 6.0
-    out = x.clone()
-    relay_average(out, heard, 6.0, "count", 9, None)
-    assert torch.equal(out, expected)
+    out = x.clone().view(1, 200)
+    relay_average(out, torch.stack(heard).unsqueeze(0), torch.tensor([6.0], dtype=torch.float64), "count", 9, None)
+    assert torch.equal(out[0], expected)
     # world_size mode fills the missing models with x0
     x0 = spread_values(200, g)
-    out = x.clone()
-    relay_average(out, heard[:2], 3.0, "world_size", 5, x0)
+    out = x.clone().view(1, 200)
+    relay_average(out, torch.stack(heard[:2]).unsqueeze(0), torch.tensor([3.0], dtype=torch.float64), "world_size", 5,
+                  x0.view(1, 200))
     filled = x.clone()
     for m in heard[:2]:
         filled = filled + m
-    torch.testing.assert_close(out, (filled + 2.0 * x0) / 5.0)
+    torch.testing.assert_close(out[0], (filled + 2.0 * x0) / 5.0)
+
+
+def test_relay_counts_are_one_plus_what_the_other_slots_heard():
+    heard = torch.tensor([[2.0, 5.0, 0.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
+    assert relay_counts(heard).tolist() == [[6.0, 3.0, 8.0], [1.0, 2.0, 2.0]]
 
 
 # ------------------------------------------------------------ user-built topologies
@@ -295,17 +202,15 @@ def test_relay_refuses_a_topology_that_is_not_a_tree_when_constructed():
 
 
 class Node:
-    """One worker's relay state over a tree, kept as RelayAlgorithmImpl keeps it."""
+    """One worker's relay state over a tree, kept as RelayAlgorithmImpl keeps it (W = 1,
+    a slot per neighbour)."""
 
     def __init__(self, rank, neighbors, size, dtype):
         self.rank = rank
         self.neighbors = list(neighbors)
-        self.recv = {j: torch.zeros(size, dtype=dtype) for j in self.neighbors}
-        self.spare = {}
-        if len(self.neighbors) > 1:
-            self.spare = {j: torch.zeros(size, dtype=dtype) for j in self.neighbors}
-        self.heard_counts = {j: 0.0 for j in self.neighbors}
-        self.x = torch.zeros(size, dtype=dtype)  # the parameters, x½ after the local step
+        self.recv = torch.zeros(1, len(self.neighbors), size, dtype=dtype)
+        self.heard_counts = torch.zeros(1, len(self.neighbors), dtype=torch.float64)
+        self.x = torch.zeros(1, size, dtype=dtype)  # the parameters, x½ after the local step
 
 
 def simulate_constant_models(topology, models, steps, mode="count", x0=None):
@@ -319,21 +224,20 @@ def simulate_constant_models(topology, models, steps, mode="count", x0=None):
         outgoing = {}  # (i, j) -> (message, count)
         for node in nodes:
             node.x.copy_(models[node.rank])
-            messages, targets = relay_messages(node.x, node.recv, node.spare)
-            spares = check_buffer_contract(node.x, node.recv, node.spare, messages, targets)
-            node.spare, node.recv = spares, targets
-            for j in node.neighbors:
-                count = 1.0 + sum(c for k, c in node.heard_counts.items() if k != j)
-                outgoing[(node.rank, j)] = (messages[j], count)
-        # the exchange: every message lands in the receiver's target for its sender
+            messages = relay_messages(node.x, node.recv, torch.empty_like(node.recv))
+            counts = relay_counts(node.heard_counts)
+            for s, j in enumerate(node.neighbors):
+                outgoing[(node.rank, j)] = (messages[0, s], float(counts[0, s]))
+        # the exchange: every message lands in the receiver's slot for its sender
         for (i, j), (message, count) in outgoing.items():
-            nodes[j].recv[i].copy_(message)
-            nodes[j].heard_counts[i] = count
+            s = nodes[j].neighbors.index(i)
+            nodes[j].recv[0, s].copy_(message)
+            nodes[j].heard_counts[0, s] = count
         step = []
         for node in nodes:
-            n_bar = 1.0 + sum(node.heard_counts.values())
-            relay_average(node.x, [node.recv[j] for j in node.neighbors], n_bar, mode, n, x0)
-            step.append((node.x.clone(), n_bar))
+            n_bar = 1.0 + node.heard_counts.sum(1)
+            relay_average(node.x, node.recv, n_bar, mode, n, None if x0 is None else x0.view(1, -1))
+            step.append((node.x[0].clone(), float(n_bar)))
         history.append(step)
     return history
 

@@ -15,14 +15,17 @@ steps as the tree's diameter n̄ = n and every worker holds the delayed uniform 
 (1/n) Σ_j x_j^{t−τ_ij+½}. On a double binary tree, each tree relays half of the
 coordinates with its own messages and counts. Optimizer state stays local.
 
-Wire format: a link carries its message and, separately, its count. The count of a
-tree link is the same for every bucket, so each neighbor gets one small float64 tensor
-per step holding the counts of the trees it shares with this worker. A leaf of a tree
-(one neighbor) sends x½ itself, its parameter buffer, with no copy. A worker with two
-or three neighbors builds its messages in place in the buffers that hold last step's
-received messages (each neighbor has two buffers that swap roles from step to step).
-Every message adds its terms in the order x½, then neighbors in order, and the average
-adds the received messages to x½ in place in neighbor order and divides once.
+Written for a leading worker dimension (one worker in a job, the n workers of the
+one-process engine at once) with a slot per tree neighbour: the messages of a
+(bucket, tree) slice are ``[W, D, L]`` (D the largest number of tree neighbours among
+the workers; a worker with fewer has zero slots, which add exact zeros), so the same
+functions serve a process and the engine. Every message adds its terms in the order
+x½, then neighbors in order, and the average adds the received messages to x½ in
+place in neighbor order and divides once.
+
+Wire format: a link carries its message and, separately, its count (a float64 on the
+CPU, one per tree link and step). The messages are built in a buffer of their own and
+received into a second, which becomes the state; the two swap roles every step.
 """
 
 from __future__ import annotations
@@ -41,65 +44,59 @@ if TYPE_CHECKING:
     from ..runtime.bucket import BaguaBucket
     from ..runtime.ddp import BaguaDistributedDataParallel
 
-__all__ = ["RelayAlgorithm", "RelayAlgorithmImpl", "RELAY_MODES", "relay_messages", "relay_average", "coordinate_ranges"]
+__all__ = ["RelayAlgorithm", "RelayAlgorithmImpl", "RELAY_MODES", "relay_messages", "relay_average", "relay_counts",
+           "coordinate_ranges"]
 
 RELAY_MODES = ("count", "world_size")
 
 
 # ------------------------------------------------------------------ pure tensor math
+#
+# Written for a leading worker dimension W (one worker in a job, every worker on the
+# one-process engine) and a slot per tree neighbour: ``received[:, s]`` is the last
+# message from a worker's s-th neighbour (in the tree's order), zeros where a worker has
+# no s-th neighbour or its message was lost, so every worker adds its own neighbours'
+# terms, in order, and an absent one adds an exact zero.
 
 
-def relay_messages(x: torch.Tensor, received: dict, spare: dict) -> tuple[dict, dict]:
-    """The messages m_j = x + Σ_{k≠j} received[k] for every neighbor j of ``received``.
-
-    Returns ``(messages, targets)``: the tensor to send each neighbor and the buffer to
-    receive its next message into. Each message adds its terms in neighbor order after
-    x, so it rounds exactly as summing it term by term. ``received`` may be overwritten
-    (its messages are not needed once these are built) and ``spare`` holds one free
-    buffer per neighbor; whatever is neither sent nor received into becomes the next
-    spare. With one neighbor the message is x itself; with two or three, the messages
-    are built in place in the received buffers (on CPU an in-place add takes about half
-    the time of an add into a third buffer); with more, into the spare buffers.
-    """
-    order = list(received)
-    if len(order) == 1:
-        return {order[0]: x}, dict(received)
-    if len(order) == 2:
-        a, b = order
-        r_a, r_b = received[a], received[b]
-        # x + r is r + x exactly (IEEE addition commutes).
-        return {a: r_b.add_(x), b: r_a.add_(x)}, dict(spare)
-    if len(order) == 3:
-        a, b, c = order
-        r_a, r_b, r_c = received[a], received[b], received[c]
-        to_c = torch.add(r_a.add_(x), r_b, out=spare[c])  # (x + r_a) + r_b
-        to_a = r_b.add_(x).add_(r_c)  # (x + r_b) + r_c
-        to_b = r_a.add_(r_c)  # (x + r_a) + r_c
-        return {a: to_a, b: to_b, c: to_c}, {a: spare[a], b: spare[b], c: r_c}
-    messages = {}
-    for j, out in spare.items():
-        others = [k for k in order if k != j]
-        message = torch.add(x, received[others[0]], out=out)
-        for k in others[1:]:
-            message.add_(received[k])
-        messages[j] = message
-    return messages, dict(received)
+def relay_messages(x: torch.Tensor, received: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The messages m_s = x + Σ_{s'≠s} received[:, s'] to every neighbour slot s, into
+    ``out`` (``[W, D, L]``; ``x`` is ``[W, L]``, ``received`` ``[W, D, L]``, neither
+    overlapping ``out``). Each message adds its terms in the order x, then the other
+    slots in order, so it rounds exactly as summing it term by term. Returns ``out``."""
+    slots = received.shape[1]
+    for s in range(slots):
+        others = [t for t in range(slots) if t != s]
+        if not others:
+            out[:, s].copy_(x)
+            continue
+        message = torch.add(x, received[:, others[0]], out=out[:, s])
+        for t in others[1:]:
+            message.add_(received[:, t])
+    return out
 
 
-def relay_average(x: torch.Tensor, received, n_bar: float, mode: str, world_size: int,
+def relay_average(x: torch.Tensor, received: torch.Tensor, n_bar: torch.Tensor, mode: str, world_size: int,
                   x0: torch.Tensor | None) -> None:
-    """x ← the relay average of x (= x½) and the ``received`` messages, in place:
-    (x + Σ m) / n̄ in mode "count", (x + Σ m + (n − n̄)·x0) / n in mode "world_size"."""
-    for heard in received:
-        x.add_(heard)
+    """x ← the relay average of x (= x½, ``[W, L]``) and the ``received`` messages
+    (``[W, D, L]``, lost and absent ones zero), in place: (x + Σ m) / n̄ in mode "count",
+    (x + Σ m + (n − n̄)·x0) / n in mode "world_size". ``n_bar``: each worker's count,
+    ``[W]`` float64."""
+    for s in range(received.shape[1]):
+        x.add_(received[:, s])
     if mode == "count":
-        divisor = n_bar
-    else:
-        if n_bar != world_size:
-            x.add_(x0, alpha=world_size - n_bar)
-        divisor = world_size
-    if divisor != 1:
-        x.div_(divisor)
+        x.div_(n_bar.to(device=x.device, dtype=x.dtype).unsqueeze(1))
+        return
+    missing = world_size - n_bar
+    if bool((missing != 0).any()):
+        x.add_(x0 * missing.to(device=x.device, dtype=x.dtype).unsqueeze(1))
+    x.div_(world_size)
+
+
+def relay_counts(heard: torch.Tensor) -> torch.Tensor:
+    """The counts c_s = 1 + Σ_{s'≠s} heard[:, s'] a worker sends each neighbour slot
+    (``heard``: ``[W, D]`` float64, the counts received last step, zero where absent)."""
+    return 1.0 + heard.sum(1, keepdim=True) - heard
 
 
 def coordinate_ranges(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -116,30 +113,33 @@ def coordinate_ranges(numel: int, parts: int) -> list[tuple[int, int]]:
 # ---------------------------------------------------------------------- algorithm
 
 
-class _Link:
-    """One (bucket, tree) slice: its coordinates, the last message received from each
-    tree neighbor and, with two or more neighbors, a second buffer per neighbor (the
-    messages are built in the received buffers, so the next ones arrive elsewhere).
+class _Tree:
+    """One tree as this process's workers see it: each worker's neighbours in slots
+    (``[W, D]`` group ranks, -1 where a worker has fewer than D), and the peer of each
+    slot as ``comm`` takes it (a global rank in a job; every worker's on the engine)."""
 
-    ``recv`` is the dict that the bucket's ``state`` holds (so checkpoints cover it):
-    it is updated in place, never replaced."""
-
-    def __init__(self, start, end, neighbors, dtype, device):
-        self.start, self.end = start, end
-        self.neighbors = list(neighbors)
-        size = end - start
-        self.recv = {j: torch.zeros(size, dtype=dtype, device=device) for j in self.neighbors}
-        self.spare = {}
-        if len(self.neighbors) > 1:
-            self.spare = {j: torch.zeros(size, dtype=dtype, device=device) for j in self.neighbors}
+    def __init__(self, tree, rows: list, global_rank: list, stacked: bool):
+        neighbours = [list(tree.neighbors(i)) for i in rows]
+        self.slots = max((len(nb) for nb in neighbours), default=0)
+        self.neighbours = torch.tensor([nb + [-1] * (self.slots - len(nb)) for nb in neighbours],
+                                       dtype=torch.long).reshape(len(rows), self.slots)
+        if stacked:
+            self.peers = [self.neighbours[:, s] for s in range(self.slots)]
+        else:
+            self.peers = [global_rank[j] for j in neighbours[0]]
+        self.present = self.neighbours >= 0  # [W, D]
 
 
 class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
     """Per bucket, in ``bucket.state`` (saved by ``bagua_state_dict()`` with no code of
-    its own): ``relay_received`` (tree → neighbor → last message m_{j→i} of that
-    slice) and, in mode "world_size", ``relay_x0``. The rest is the same for every
-    bucket and is the algorithm's ``state_dict()``: step, counts heard per tree link,
-    last n̄ per tree, drops and the drop generator.
+    its own): ``relay_received`` (tree → the last messages received, ``[W, D, L]``, a
+    slot per tree neighbour) and, in mode "world_size", ``relay_x0``. The rest is the
+    same for every bucket and is the algorithm's ``state_dict()``: step, counts heard
+    per tree link, last n̄ per tree, drops and the drop generator.
+
+    Written once for a leading worker dimension: a job's process is one worker (W = 1),
+    the one-process engine runs this same impl for its n workers at once (W = n: the
+    rows' neighbours in slots, the exchange the stacked communicator's row gather).
 
     Two rank spaces: the trees' nodes, and every ``j`` called a neighbor or a peer
     here, are *group ranks* (0 … world_size − 1 inside the process group, as
@@ -156,7 +156,6 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
     RESET_STATE_KEYS = frozenset({"last_counts", "received_counts", "generator"})
     RESET_BUCKET_KEYS = frozenset({"relay_received"})
 
-
     def __init__(self, process_group, topology, mode, drop_rate, seed):
         super().__init__(process_group)
         self.global_rank_of_peer: list[int] = comm.group_ranks(process_group)  # group rank → global rank
@@ -164,39 +163,37 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
         self.trees = self.topology.trees
         self.mode = mode
         self.drop_rate = drop_rate
-        self.generator = torch.Generator().manual_seed(rank_seed(seed, self.rank))  # the simulated drops
+        self.stacked = comm.is_stacked(process_group)
+        self.rows = self.row_ranks  # the workers this process runs: [rank], or every one on the engine
+        # the simulated drops: a generator per worker
+        self.generators = [torch.Generator().manual_seed(rank_seed(seed, r)) for r in self.rows]
         self.step = 0
-        self.last_counts: list[float] = [1.0] * len(self.trees)  # n̄ of each tree, last step
+        self.last_counts: list = [torch.ones(len(self.rows), dtype=torch.float64) for _ in self.trees]  # n̄
         self.dropped = 0
-        self._links: dict[tuple[str, int], _Link] = {}
-        # Counts are per tree link (equal for every bucket): c_{j→i} heard last step.
-        me = self.rank
-        self._heard_counts = [{j: 0.0 for j in tree.neighbors(me)} for tree in self.trees]
-        # Each neighbor (in any tree) exchanges one float64 tensor of counts per step,
-        # one entry per tree the two share, in tree order.
-        self._count_trees: dict[int, list[int]] = {}
-        for k, tree in enumerate(self.trees):
-            for j in tree.neighbors(me):
-                self._count_trees.setdefault(j, []).append(k)
-        self._count_send: dict[int, torch.Tensor] = {}
-        self._count_recv: dict[int, torch.Tensor] = {}
+        self._trees = [_Tree(tree, self.rows, self.global_rank_of_peer, self.stacked) for tree in self.trees]
+        # c_{j→i} heard last step, per tree: [W, D] float64 on the CPU (read on the host
+        # every step, so on a GPU they travel over gloo beside the messages instead of
+        # costing a device synchronisation)
+        self._heard = [torch.zeros(len(self.rows), t.slots, dtype=torch.float64) for t in self._trees]
+        self._ranges: dict = {}  # bucket name → the coordinate range of each tree
+        self._spare: dict = {}  # (bucket name, tree) → the buffer the next messages arrive in
+        self._messages: dict = {}  # (bucket name, tree) → the buffer this step's messages are built in
+
+    @property
+    def generator(self) -> torch.Generator:
+        """This rank's drop generator (in a job; the first worker's on the engine)."""
+        return self.generators[0]
 
     def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
         # No bucket ops: the relay runs on the training thread after the optimizer step.
         bucket.clear_ops()
-        ranges = coordinate_ranges(bucket.numel, len(self.trees))
+        self._ranges[bucket.name] = coordinate_ranges(bucket.numel, len(self.trees))
         received = bucket.state["relay_received"] = {}
-        for k, (tree, (start, end)) in enumerate(zip(self.trees, ranges)):
-            link = _Link(start, end, tree.neighbors(self.rank), bucket.dtype, bucket.device)
-            self._links[(bucket.name, k)] = link
-            received[k] = link.recv
-        if not self._count_send:
-            # Counts live on the CPU whatever the model's device: they are read on the host
-            # every step (n̄ is a Python float), so on a GPU they travel over gloo beside the
-            # messages instead of costing a device synchronisation.
-            for j, trees in self._count_trees.items():
-                self._count_send[j] = torch.zeros(len(trees), dtype=torch.float64)
-                self._count_recv[j] = torch.zeros(len(trees), dtype=torch.float64)
+        for k, (tree, (start, end)) in enumerate(zip(self._trees, self._ranges[bucket.name])):
+            shape = (len(self.rows), tree.slots, end - start)
+            received[k] = torch.zeros(shape, dtype=bucket.dtype, device=bucket.device)
+            self._spare[(bucket.name, k)] = torch.zeros(shape, dtype=bucket.dtype, device=bucket.device)
+            self._messages[(bucket.name, k)] = torch.empty(shape, dtype=bucket.dtype, device=bucket.device)
         if self.mode == "world_size":
             # with_bagua broadcast the parameters before calling us: this is the common x0.
             bucket.state["relay_x0"] = bucket.flattened_tensor()
@@ -207,76 +204,102 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
 
         return hook
 
+    def _rows_of(self, flat: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Every worker's coordinates [start, end) of a bucket's flat tensor, ``[W, L]``."""
+        return flat[..., start:end].reshape(len(self.rows), end - start) if not self.stacked else flat[:, start:end]
+
     def relay_step(self, buckets) -> None:
         """One RelaySum round on the parameters after the local step."""
         if not buckets:
             self.step += 1
             return
-        global_rank = self.global_rank_of_peer
         flats = [bucket.flat_view() for bucket in buckets]
         sends, recvs = [], []
         for bucket, flat in zip(buckets, flats):
-            for k in range(len(self.trees)):
-                link = self._links[(bucket.name, k)]
-                messages, targets = relay_messages(flat[link.start:link.end], link.recv, link.spare)
-                if link.spare:  # each neighbor has two buffers: the one not received into is spare
-                    link.spare = {j: link.spare[j] if targets[j] is link.recv[j] else link.recv[j] for j in link.neighbors}
-                link.recv.update(targets)  # in place: bucket.state holds this dict
-                for j in link.neighbors:
-                    sends.append((global_rank[j], messages[j]))
-                    recvs.append((global_rank[j], targets[j]))
-        count_sends, count_recvs = [], []
-        for j, trees in self._count_trees.items():
-            outgoing = self._count_send[j]
-            for index, k in enumerate(trees):
-                heard = self._heard_counts[k]
-                outgoing[index] = 1.0 + sum(c for other, c in heard.items() if other != j)
-            count_sends.append((global_rank[j], outgoing))
-            count_recvs.append((global_rank[j], self._count_recv[j]))
+            for k, tree in enumerate(self._trees):
+                start, end = self._ranges[bucket.name][k]
+                received = bucket.state["relay_received"][k]
+                messages = relay_messages(self._rows_of(flat, start, end), received, self._messages[(bucket.name, k)])
+                target = self._spare[(bucket.name, k)]
+                for s, peer in enumerate(tree.peers):
+                    sends.append((peer, messages[:, s]))
+                    recvs.append((peer, target[:, s]))
+        count_sends, count_recvs, incoming = [], [], []
+        for tree, heard in zip(self._trees, self._heard):
+            outgoing, arriving = relay_counts(heard), torch.zeros_like(heard)
+            incoming.append(arriving)
+            for s, peer in enumerate(tree.peers):
+                count_sends.append((peer, outgoing[:, s].contiguous()))
+                count_recvs.append((peer, arriving[:, s]))
         # Messages on the model's device, counts on the CPU: two exchanges in flight at once.
-        counts = comm.start_neighbor_exchange(count_sends, count_recvs, group=self.process_group)
+        arriving_columns = [recv for _, recv in count_recvs]
+        count_buffers = [torch.empty_like(t) for t in arriving_columns]
+        counts = comm.start_neighbor_exchange(count_sends, [(peer, buf) for (peer, _), buf in
+                                                            zip(count_recvs, count_buffers)], group=self.process_group)
         comm.neighbor_exchange(sends, recvs, group=self.process_group)
         counts.wait()
+        for column, buf in zip(arriving_columns, count_buffers):
+            column.copy_(buf)
 
-        dropped = self._simulate_drops()
-        for j, trees in self._count_trees.items():
-            for k, c in zip(trees, self._count_recv[j].tolist()):
-                self._heard_counts[k][j] = 0.0 if (k, j) in dropped else c
-        n_bars = [1.0 + sum(heard.values()) for heard in self._heard_counts]
+        dropped = self._simulate_drops()  # [W, D] per tree: the messages lost this step
+        n_bars = []
+        for k, (tree, arriving) in enumerate(zip(self._trees, incoming)):
+            kept = tree.present & ~dropped[k]
+            self._heard[k] = torch.where(kept, arriving, torch.zeros_like(arriving))
+            n_bars.append(1.0 + self._heard[k].sum(1))
         for bucket, flat in zip(buckets, flats):
-            for k in range(len(self.trees)):
-                link = self._links[(bucket.name, k)]
-                received = [link.recv[j] for j in link.neighbors if (k, j) not in dropped]
-                x0 = bucket.state["relay_x0"][link.start:link.end] if self.mode == "world_size" else None
-                relay_average(flat[link.start:link.end], received, n_bars[k], self.mode, self.world_size, x0)
-                for tree_index, peer in dropped:
-                    if tree_index == k:
-                        link.recv[peer].zero_()  # not relayed next step either (its count is 0)
+            for k in range(len(self._trees)):
+                start, end = self._ranges[bucket.name][k]
+                key = (bucket.name, k)
+                arrived = self._spare[key]
+                if bool(dropped[k].any()):  # a lost message neither counts nor is relayed next step
+                    arrived.masked_fill_(dropped[k].to(arrived.device).unsqueeze(2), 0)
+                # the arrived messages are the state now; last step's buffer takes the next ones
+                self._spare[key], bucket.state["relay_received"][k] = bucket.state["relay_received"][k], arrived
+                x0 = None
+                if self.mode == "world_size":
+                    x0 = self._rows_of(bucket.state["relay_x0"], start, end)
+                relay_average(self._rows_of(flat, start, end), arrived, n_bars[k], self.mode, self.world_size, x0)
             bucket.write_flat(flat)
         self.last_counts = n_bars
         self.step += 1
 
-    def _simulate_drops(self) -> set:
-        """The (tree, neighbor) links whose message of this step is lost."""
+    def _simulate_drops(self) -> list:
+        """Per tree, ``[W, D]`` bool: the messages of this step that are lost (each
+        worker draws from its own generator, tree by tree, neighbour by neighbour)."""
+        dropped = [torch.zeros(len(self.rows), t.slots, dtype=torch.bool) for t in self._trees]
         if self.drop_rate == 0.0:
-            return set()
-        dropped = set()
-        for k, tree in enumerate(self.trees):
-            for j in tree.neighbors(self.rank):
-                if torch.rand((), generator=self.generator).item() < self.drop_rate:
-                    dropped.add((k, j))
-        self.dropped += len(dropped)
+            return dropped
+        for w, generator in enumerate(self.generators):
+            for k, tree in enumerate(self._trees):
+                for s in range(tree.slots):
+                    if tree.present[w, s] and torch.rand((), generator=generator).item() < self.drop_rate:
+                        dropped[k][w, s] = True
+        self.dropped += int(sum(int(d.sum()) for d in dropped))
         return dropped
 
     # --- checkpointing (the messages and x0 are in bucket.state) ----------------------
+    def _count_keys(self) -> list:
+        """(tree, worker row, slot, "k/j" or "k/i/j") of every tree link."""
+        keys = []
+        for k, tree in enumerate(self._trees):
+            for w, rank in enumerate(self.rows):
+                for s in range(tree.slots):
+                    j = int(tree.neighbours[w, s])
+                    if j >= 0:
+                        keys.append((k, w, s, f"{k}/{j}" if not self.stacked else f"{k}/{rank}/{j}"))
+        return keys
+
     def state_dict(self) -> dict:
+        last = [float(c[0]) for c in self.last_counts] if not self.stacked else [c.tolist() for c in self.last_counts]
         return {
             "step": self.step,
-            "last_counts": list(self.last_counts),
+            "last_counts": last,
             "dropped": self.dropped,
-            "generator": self.generator.get_state(),
+            "generator": (self.generators[0].get_state() if not self.stacked
+                          else [g.get_state() for g in self.generators]),
             # last step's counts c_{j→i} (per tree/neighbor)
-            "received_counts": {f"{k}/{j}": c for k, heard in enumerate(self._heard_counts) for j, c in heard.items()},
+            "received_counts": {key: float(self._heard[k][w, s]) for k, w, s, key in self._count_keys()},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -285,18 +308,20 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
         # A key missing is one that WORLD_SIZE_RULE resets: it keeps its set-up value.
         super().load_state_dict(state)
         if "received_counts" in state:
-            count_keys = {f"{k}/{j}" for k, heard in enumerate(self._heard_counts) for j in heard}
-            if set(state["received_counts"]) != count_keys:
+            keys = self._count_keys()
+            if set(state["received_counts"]) != {key for *_, key in keys}:
                 raise ValueError("relay state does not match this model's topology")
-            for k, heard in enumerate(self._heard_counts):
-                for j in heard:
-                    heard[j] = float(state["received_counts"][f"{k}/{j}"])
+            for k, w, s, key in keys:
+                self._heard[k][w, s] = float(state["received_counts"][key])
         self.step = int(state["step"])
         self.dropped = int(state["dropped"])
         if "last_counts" in state:
-            self.last_counts = list(state["last_counts"])
+            self.last_counts = [torch.tensor(c if isinstance(c, list) else [c], dtype=torch.float64)
+                                for c in state["last_counts"]]
         if "generator" in state:
-            self.generator.set_state(state["generator"])
+            saved = state["generator"] if isinstance(state["generator"], list) else [state["generator"]]
+            for generator, value in zip(self.generators, saved):
+                generator.set_state(value)
 
 
 class RelayAlgorithm(Algorithm):

@@ -152,7 +152,6 @@ class StackedModel:
         self.params = torch.nn.Parameter(flat.unsqueeze(0).repeat(n, 1))
         self.params.grad = torch.zeros_like(self.params)
         self._leaves = {name: view.requires_grad_() for name, view in self.param_views(self.params.detach()).items()}
-        self._leaves_of = {}  # storage address -> its leaves, for swap_params
         self._grad_views = list(self.param_views(self.params.grad).values())
         self.buffers = {name: b.detach().unsqueeze(0).repeat(n, *([1] * b.dim())).clone()
                         for name, b in self.module.named_buffers()}
@@ -165,33 +164,6 @@ class StackedModel:
     @property
     def grads(self) -> torch.Tensor:
         return self.params.grad
-
-    def swap_params(self, values: torch.Tensor) -> torch.Tensor:
-        """Every worker's parameters ← ``values``, by taking its storage instead of copying
-        it (a form that computes new parameters out of place, D-PSGD's mix, saves a pass
-        over ``[n, d]``). ``params`` stays the same ``Parameter`` object (the optimizer's
-        state is keyed by it); its autograd leaves are rebuilt on the new storage.
-        Returns a tensor on the storage ``params`` held until now, free for the caller
-        (the next step's scratch). A view of ``params`` taken before the swap keeps
-        showing the old storage: take views afresh after a step."""
-        old = self.params.detach()
-        if values.shape != old.shape or values.dtype != old.dtype or values.device != old.device \
-                or not values.is_contiguous():
-            raise ValueError(f"values: a contiguous {old.dtype} tensor of shape {tuple(old.shape)} on {old.device} "
-                             f"is needed, got {values.dtype} {tuple(values.shape)} on {values.device}")
-        if values.data_ptr() == old.data_ptr():
-            raise ValueError("values: must not share the parameters' storage")
-        self.params.data = values
-        # the leaves of the last two storages are kept (a form alternates between two);
-        # they hold their storage, so an address names one storage while it is here
-        self._leaves_of[old.data_ptr()] = self._leaves
-        leaves = self._leaves_of.pop(values.data_ptr(), None)
-        if leaves is None:
-            leaves = {name: view.requires_grad_() for name, view in self.param_views(self.params.detach()).items()}
-        self._leaves = leaves
-        while len(self._leaves_of) > 1:
-            self._leaves_of.pop(next(iter(self._leaves_of)))
-        return old
 
     def param_views(self, params: torch.Tensor | None = None) -> dict:
         """name -> the ``[n, *shape]`` view of its columns of ``params`` (default X)."""

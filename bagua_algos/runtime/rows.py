@@ -1,15 +1,13 @@
 """Row gathers of the stacked state as a few strided slices, prepared as calls.
 
-The gossip and relay forms combine rows of ``[rows, L]`` matrices by index:
+The gossip mix and the stacked neighbour exchange combine rows of ``[rows, L]``
+matrices by index:
 ``out[r] += src[index[r]]``. ``index_select`` then ``add_`` costs two passes over the
 rows and a buffer; but the indices of the usual topologies are made of arithmetic runs
 (a ring's neighbour of i is i + 1 mod n: two runs; a chain's relayed message comes from
 the previous edge of its direction), and a run ``out[r0::s] += src[i0::t]`` is one pass
 over views, with no buffer. :class:`RowGather` splits an index into such runs, and falls
 back to ``index_select`` into a reused buffer when it has too many (an irregular graph).
-An index may also name one row of each of two sources, ``out[r] = a[i] + b[j]``
-(:meth:`RowGather.sum_calls`: relay's message is x½ plus a relayed message, one pass
-where a copy and an add were two).
 
 Both ways compute the same sums, term by term, so a form's rounding does not depend on
 which way ran. A row whose index is ``None`` takes nothing (its term is an exact zero
@@ -30,7 +28,6 @@ pays no call per block: where cuda_ext's CPU module is loaded, the gossip mix is
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Optional, Sequence
 
 import torch
@@ -137,15 +134,9 @@ class RowGather:
 
     def __init__(self, index: Sequence, device):
         self.rows = len(index)
-        self.pairs = all(i is None or isinstance(i, tuple) for i in index)
         runs = arithmetic_runs(index)
         self.runs = runs if len(runs) <= MAX_RUNS else None
         if self.runs is None:
-            if self.pairs:
-                # a sum of two gathers: a copy of the first, then an add of the second
-                self.parts = (RowGather([None if i is None else i[0] for i in index], device),
-                              RowGather([None if i is None else i[1] for i in index], device))
-                return
             # a row with no index gathers row 0, then is zeroed: the term is an exact zero
             self.index = torch.tensor([0 if i is None else i for i in index], dtype=torch.long, device=device)
             absent = torch.tensor([i is None for i in index], device=device).unsqueeze(1)
@@ -183,19 +174,6 @@ class RowGather:
         if self.runs is None:
             return [(_gather_copy, (out, src, self.present_rows, self.present_sources))]
         return [(torch.Tensor.copy_, (_view(out, r0, s, m), _view(src, i0, t, m))) for r0, s, i0, t, m in self.runs]
-
-    def sum_calls(self, out: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> list:
-        """For an index of pairs (i, j): ``out[r] = first[i] + second[j]`` (in that order
-        of terms); rows with no index are left as they are."""
-        if not self.pairs:
-            raise ValueError("sum_calls needs an index of (first row, second row) pairs")
-        if self.runs is None:
-            return self.parts[0].copy_calls(out, first) + self.parts[1].add_calls(out, second)
-        calls = []
-        for r0, s, i0, t, m in self.runs:
-            add_into = functools.partial(torch.add, out=_view(out, r0, s, m))
-            calls.append((add_into, (_view(first, i0[0], t[0], m), _view(second, i0[1], t[1], m))))
-        return calls
 
     def add_(self, out: torch.Tensor, src: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         run_calls(self.add_calls(out, src, weight))

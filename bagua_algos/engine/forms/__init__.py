@@ -43,9 +43,7 @@ def _register_builtin() -> None:
                                RelayAlgorithm, SignNormAlgorithm, SignumAlgorithm, TernGradAlgorithm, TopKAlgorithm,
                                UnbiasedLowRankAlgorithm)
     from .powersgd import PowerSGDForm
-    from .relay import RelayForm
 
-    register_form(RelayAlgorithm, RelayForm)
     register_form(PowerSGDAlgorithm, PowerSGDForm)
 
 

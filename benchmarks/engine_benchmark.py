@@ -53,7 +53,7 @@ import torch  # noqa: E402
 
 from bagua_algos.algorithms import (AllreduceAverageAlgorithm, DecentralizedAlgorithm,  # noqa: E402
                                     PowerSGDAlgorithm, RelayAlgorithm)
-from bagua_algos.engine import Engine  # noqa: E402
+from bagua_algos.engine import Engine, StackedRuntime  # noqa: E402
 from bagua_algos.runtime.rows import torch_passes_only  # noqa: E402
 from benchmarks.sweep_data import SmallCNN, ResNet20  # noqa: E402
 
@@ -142,33 +142,7 @@ def batching(args, device) -> list[dict]:
     return out
 
 
-HOOKS = ("before_forward", "after_backward", "after_step")
-
-
-class _TimedForm:
-    """Wraps an engine's form: the seconds each of its hooks takes (the form's hooks are
-    the whole communication step: gossip, relay, averaging, compression)."""
-
-    def __init__(self, form, device):
-        self.form, self.device = form, device
-        self.seconds = dict.fromkeys(HOOKS, 0.0)
-
-    def reset(self):
-        self.seconds = dict.fromkeys(HOOKS, 0.0)
-
-    def __getattr__(self, name):
-        target = getattr(self.form, name)
-        if name not in HOOKS:
-            return target
-
-        def timed(step):
-            _sync(self.device)
-            start = _clock(self.device)
-            target(step)
-            _sync(self.device)
-            self.seconds[name] += _clock(self.device) - start
-
-        return timed
+HOOKS = StackedRuntime.PHASES  # the algorithm's hooks and bucket ops: its whole communication step
 
 
 def _passes_variants(args, device) -> dict:
@@ -220,13 +194,12 @@ def comm(args, device) -> list[dict]:
                     y = torch.randint(0, 10, (n, b), device=device)
                     for _ in range(args.warmup):
                         engine.step(x, y, loss_fn)
-                engine.form = _TimedForm(engine.form, device)
+                engine.runtime.timings = dict.fromkeys(HOOKS, 0.0)
                 runs[variant] = (context, engine, x, y, {"share": [], "step_ms": [], "hooks_ms": [],
                                                          **{hook: [] for hook in HOOKS}})
             for _ in range(args.rounds):
                 for variant, (context, engine, x, y, figures) in runs.items():
-                    timed = engine.form
-                    timed.reset()
+                    engine.runtime.timings = dict.fromkeys(HOOKS, 0.0)
                     with context():
                         _sync(device)
                         start = _clock(device)
@@ -234,12 +207,12 @@ def comm(args, device) -> list[dict]:
                             engine.step(x, y, loss_fn)
                         _sync(device)
                         total = _clock(device) - start
-                    hooks = sum(timed.seconds.values())
+                    hooks = sum(engine.runtime.timings.values())
                     figures["share"].append(hooks / total)
                     figures["step_ms"].append(total / args.steps * 1e3)
                     figures["hooks_ms"].append(hooks / args.steps * 1e3)
                     for hook in HOOKS:
-                        figures[hook].append(timed.seconds[hook] / args.steps * 1e3)
+                        figures[hook].append(engine.runtime.timings[hook] / args.steps * 1e3)
             for variant, (_, _, _, _, figures) in runs.items():
                 shares = figures["share"]
                 out.append({"section": "comm", "model": name, "algorithm": label, "passes": variant, "workers": n,

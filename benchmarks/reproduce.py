@@ -75,7 +75,7 @@ def build_config(row: Row, model: torch.nn.Module):
     """(AlgorithmConfig, "") for a row the package runs on the engine, else (None, why)."""
     import bagua_algos.algorithms  # noqa: F401 - registers every algorithm
     from bagua_algos.algorithms.table import AlgorithmConfig, config_by_label
-    from bagua_algos.engine import form_for
+    from bagua_algos.engine import refusal
     from bagua_algos.runtime.algorithm import Algorithm, GlobalAlgorithmRegistry
 
     if row.table_label:
@@ -90,10 +90,9 @@ def build_config(row: Row, model: torch.nn.Module):
         algorithm = Algorithm.init(name, **kwargs)
     except TypeError as err:  # an argument the registered algorithm does not take (yet)
         return None, f"not yet in the package ({name}: {err})"
-    try:
-        form_for(algorithm)
-    except TypeError as err:
-        return None, f"not run: {err}"
+    why = refusal(algorithm)
+    if why is not None:
+        return None, f"not run: the one-process engine does not run {type(algorithm).__name__}: {why}"
     return AlgorithmConfig(row.label, name, kwargs), ""
 
 
@@ -607,9 +606,8 @@ def seed000_fig4_1(ctx):
                 took = rt.time_call(lambda: engine.step(x, y, loss_fn), ctx.device, 0, 1)
                 if round_:
                     steps[key].append(took)
-        # compression alone: the form's after-backward op on the last gradients
-        alone = {k: rt.time_call(lambda: engines[k].form.after_backward(engines[k].steps), ctx.device, 2, 3 * rounds)
-                 for k in ("gs", "qr")}
+        # compression alone: the buckets' ops on the last gradients
+        alone = {k: rt.time_call(engines[k].runtime.run_bucket_ops, ctx.device, 2, 3 * rounds) for k in ("gs", "qr")}
         sgd, gs, qr = (statistics.median(steps[k]) for k in ("sgd", "gs", "qr"))
         rows.append({"rank": rank, "sgd_ms": 1000 * sgd, "gram_schmidt_ms": 1000 * gs, "qr_ms": 1000 * qr,
                      "gram_schmidt_over_sgd": gs / sgd, "qr_over_sgd": qr / sgd, "gram_schmidt_over_qr": gs / qr,

@@ -153,10 +153,12 @@ def _sync(device) -> None:
 
 
 def error_buffer(engine):
-    """The engine's PowerSGD error buffer ``[W, C]`` (every worker's e_w over all compressed
-    tensors, docs/engine.md), or None for a form without one. Under ``error_in_grad`` it
-    holds λ·e."""
-    return getattr(engine.form, "error", None)
+    """The engine's error buffers ``[W, C]``: every worker's e_w over all buckets that keep
+    one in ``bucket.state["error"]`` (PowerSGD, the sketches, the allgather compressors),
+    or None for an algorithm without one."""
+    errors = [bucket.state["error"] for bucket in engine.runtime.bagua_buckets
+              if torch.is_tensor(bucket.state.get("error"))]
+    return torch.cat([e.reshape(engine.n, -1) for e in errors], dim=1) if errors else None
 
 
 def train(setting: Setting, data, config: AlgorithmConfig, seed: int, lr: float | None = None,

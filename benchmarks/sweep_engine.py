@@ -14,7 +14,7 @@ import time
 import numpy as np
 import torch
 
-from bagua_algos.engine import Engine, form_for, refusal
+from bagua_algos.engine import Engine, refusal
 from bagua_algos.engine.data import WorkerShares
 from bagua_algos.runtime.bucket import DEFAULT_BUCKET_SIZE
 
@@ -53,11 +53,7 @@ class Diverged(RuntimeError):
 
 def stacked_config_error(config) -> str | None:
     """Why ``config`` cannot run on the engine (None when it can)."""
-    try:
-        algorithm = config.build_algorithm()
-        form_for(algorithm)
-    except TypeError as err:
-        return str(err)
+    algorithm = config.build_algorithm()
     why = refusal(algorithm)
     return None if why is None else f"the one-process engine does not run {type(algorithm).__name__}: {why}"
 

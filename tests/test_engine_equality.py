@@ -347,13 +347,18 @@ def test_quantized_forms_take_the_same_levels(probe_per_rank_results, label, nam
         assert torch.equal(got[i], expected[i]), (label, i, float((got[i] - expected[i]).abs().max()))
 
 
-# --- powersgd: the form against the per-rank step's math, worker by worker --------------------
+# --- powersgd: one step function, for a rank (W = 1) and for the engine's W workers ----------
 POWERSGD_STEP_RTOL = 1e-5
+
+
+def _mean_over_workers_(rows: torch.Tensor) -> torch.Tensor:
+    """Every row of ``rows`` ← their mean: the sum divided by W (the stacked allreduce's)."""
+    return rows.copy_(rows.sum(0, keepdim=True).div_(rows.shape[0]))
 
 
 class _ThreadMean:
     """The allreduce-mean of n threads, each a rank: the rank's tensors stacked in rank
-    order and averaged by the engine form's own mean, so the two sides round alike."""
+    order and averaged as the stacked communicator averages, so the two sides round alike."""
 
     def __init__(self, world):
         import threading
@@ -362,8 +367,6 @@ class _ThreadMean:
         self.barrier = threading.Barrier(world, action=self._average)
 
     def _average(self):
-        from bagua_algos.engine.forms.powersgd import _mean_over_workers_
-
         rows = _mean_over_workers_(torch.stack([t.reshape(-1) for t in self.tensors]))
         for t, row in zip(self.tensors, rows):
             t.copy_(row.view_as(t))
@@ -394,67 +397,68 @@ def _powersgd_model(dtype):
     {"rank": 1, "min_compression_rate": 1.0, "error_feedback": False},
     {"rank": 2},  # rate 2: the 8x8 weights compressed, 3x8 and 8x5 not
 ], ids=["rank1", "rank2_decay", "cold_start_no_decay", "no_error_feedback", "rank2_rate2"])
-def test_powersgd_form_is_each_ranks_step(kwargs, dtype, batched, monkeypatch):
-    """Each rank's ``compress_aggregate`` on its flat buckets (threads whose mean is the
-    engine's, so the sums round alike) against the form's after_backward on the same
+def test_powersgd_step_of_w_workers_is_each_ranks_step(kwargs, dtype, batched, monkeypatch):
+    """``compress_aggregate`` of each rank on its flat buckets (threads whose mean is the
+    stacked communicator's, so the sums round alike) against the same function on the
+    W workers' stacked buckets ([W, numel], what the engine's op hands it), on the same
     gradients, for 3 steps: every worker's gradient and error and the Q's agree within
     POWERSGD_STEP_RTOL of the largest value. A wrong seed, error, worker or bucket order
     would be off by the values themselves.
 
     Not bit for bit at rank 1: the two sides' buffers lie at other addresses, and MKL's
     matrix-vector product (P = A·q, Q = Aᵀ·p with one column) rounds by the vector's
-    address (the same 8x8ᵀ·8x1 product differed in its last bit between two offsets of p);
-    measured up to 1.1e-6 here. At rank 2 (matrix products) every value came out equal.
-    ``batched``: the GPUs' batched products (``psgd.BATCHED_ON_CPU``), which the form
-    reaches with ``[W, b, n, m]`` operands and the per-rank step with ``[b, n, m]``."""
+    address; at rank 2 (matrix products) every value came out equal. ``batched``: the
+    GPUs' batched products (``psgd.BATCHED_ON_CPU``), reached with ``[W, b, n, m]``
+    operands and ``[b, n, m]`` ones."""
     from concurrent.futures import ThreadPoolExecutor
 
     from bagua_algos.algorithms import PowerSGDAlgorithm
     from bagua_algos.compression import powersgd as psgd
-    from bagua_algos.engine import Engine
+    from bagua_algos.engine import Layout
 
     monkeypatch.setattr(psgd, "BATCHED_ON_CPU", batched)
     world, algorithm = 4, PowerSGDAlgorithm(seed=7, **kwargs)
-    engine = Engine(_powersgd_model(dtype), world, algorithm, engine_cases.optimizer,
-                    bucket_size=235 * torch.empty((), dtype=dtype).element_size())
-    layout, form = engine.model.layout, engine.form
-    spacings = [(len(group.slots), group.spacing) for _, group in form.groups]
-    assert len(layout.buckets) == 2 and (3, None) in spacings and (2, 64) in spacings
+    layout = Layout.of(_powersgd_model(dtype), bucket_size=235 * torch.empty((), dtype=dtype).element_size())
+    assert len(layout.buckets) == 2
     options = psgd.PowerSGDOptions(warm_start=algorithm.warm_start, error_feedback=algorithm.error_feedback,
                                    error_decay=algorithm.error_decay)
-    ranks = []  # per bucket: plan, each rank's state and flat gradient buffer
+    buckets = []  # per bucket: plan, each rank's state and flat buffer, the stacked state and buffer
     for bucket in layout.buckets:
         plan = psgd.make_plan([s.shape for s in bucket.slots], algorithm.rank, algorithm.min_compression_rate)
         seed = psgd.stable_seed(algorithm.seed, ",".join(s.name for s in bucket.slots))
-        ranks.append((bucket, plan, [psgd.init_state(plan, seed, dtype, "cpu", algorithm.error_feedback)
-                                     for _ in range(world)], [torch.zeros(bucket.numel, dtype=dtype)
-                                                              for _ in range(world)]))
+        buckets.append((bucket, plan, [psgd.init_state(plan, seed, dtype, "cpu", algorithm.error_feedback)
+                                       for _ in range(world)],
+                        [torch.zeros(bucket.numel, dtype=dtype) for _ in range(world)],
+                        psgd.init_state(plan, seed, dtype, "cpu", algorithm.error_feedback, lead=(world,)),
+                        torch.zeros(world, bucket.numel, dtype=dtype)))
     mean = _ThreadMean(world)
 
+    def views(bucket, flat, lead=()):  # the runtime's _grads: views of the flat buffer
+        return [flat[..., s.start - bucket.start:s.start - bucket.start + s.numel].view(*lead, *s.shape)
+                for s in bucket.slots]
+
     def rank_step(rank):
-        for bucket, plan, states, flats in ranks:  # the runtime's _grads: views of the flat buffer
-            grads = [flats[rank][s.start - bucket.start:s.start - bucket.start + s.numel].view(s.shape)
-                     for s in bucket.slots]
-            psgd.compress_aggregate(plan, grads, states[rank], options, mean.of_rank(rank))
+        for bucket, plan, states, flats, _, _ in buckets:
+            psgd.compress_aggregate(plan, views(bucket, flats[rank]), states[rank], options, mean.of_rank(rank))
 
     generator = torch.Generator().manual_seed(1)
     for step in (1, 2, 3):
         g = torch.randn(world, layout.numel, generator=generator).to(dtype)
-        for bucket, _, _, flats in ranks:
+        for bucket, plan, _, flats, stacked_state, stacked in buckets:
             for rank in range(world):
                 flats[rank].copy_(g[rank, bucket.start:bucket.end])
+            stacked.copy_(g[:, bucket.start:bucket.end])
+            psgd.compress_aggregate(plan, views(bucket, stacked, (world,)), stacked_state, options,
+                                    _mean_over_workers_)
         with ThreadPoolExecutor(world) as pool:
             for done in [pool.submit(rank_step, rank) for rank in range(world)]:
                 done.result(timeout=120)
-        engine.model.grads.copy_(g)
-        form.after_backward(step)
-        expected = torch.cat([torch.stack(flats) for _, _, _, flats in ranks], 1)
-        _assert_close(engine.model.grads, expected, f"step {step}: gradients")
-        if algorithm.error_feedback:
-            errors = torch.cat([torch.stack([s["error"] for s in states]) for _, _, states, _ in ranks], 1)
-            _assert_close(form.error, errors, f"step {step}: errors")
-        for b, (_, _, states, _) in zip(form.buckets, ranks):
-            for key, q in b.state["q"].items():
+        for bucket, _, states, flats, stacked_state, stacked in buckets:
+            _assert_close(stacked, torch.stack(flats), f"step {step}: gradients of bucket {bucket.name}")
+            if algorithm.error_feedback:
+                _assert_close(stacked_state["error"], torch.stack([s["error"] for s in states]),
+                              f"step {step}: errors of bucket {bucket.name}")
+            for key, q in stacked_state["q"].items():
                 for s in states:
                     _assert_close(q, s["q"][key], f"step {step}: Q of {key}")
 

@@ -132,6 +132,11 @@ class PowerSGDAlgorithmImpl(CountsBytes, AlgorithmImpl):
         self.init_byte_counts()  # bytes_last_step, bytes_total, uncompressed_bytes_last_step
 
     @property
+    def gradients_accumulate(self) -> bool:
+        """With ``error_in_grad`` the error waits in p.grad for backward to add G to it."""
+        return self.options.error_in_grad
+
+    @property
     def matrix_approximation_rank(self) -> int:
         """r, the rank of each compressed gradient matrix's approximation (``settings.rank``;
         a matrix with fewer rows or columns than r gets that smaller rank)."""
@@ -145,7 +150,7 @@ class PowerSGDAlgorithmImpl(CountsBytes, AlgorithmImpl):
                 "PowerSGDAlgorithm(error_in_grad=True) keeps the error in the bucket's gradient buffer; "
                 "wrap with do_flatten=True"
             )
-        shapes = [tuple(t.bagua_getter_closure().shape) for t in bucket.tensors]
+        shapes = bucket.shapes  # a worker's
         plan = psgd.make_plan(shapes, self.matrix_approximation_rank, self.settings.min_compression_rate)
         if plan.groups:
             orthogonalization.prepare(self.options.orthogonalization, bucket.device)
@@ -156,19 +161,25 @@ class PowerSGDAlgorithmImpl(CountsBytes, AlgorithmImpl):
             seed = psgd.stable_seed(self.settings.seed, names)
             error_buffer = self.options.error_feedback and not self.options.error_in_grad
             bucket.state.clear()
-            bucket.state.update(psgd.init_state(plan, seed, bucket.dtype, bucket.device, error_buffer))
+            bucket.state.update(psgd.init_state(plan, seed, bucket.dtype, bucket.device, error_buffer,
+                                                lead=self._lead(bucket)))
             bucket.state["plan_shapes"] = [list(s) for s in shapes]
             if self.settings.async_error is not None:
                 bucket.state["async_offset"] = 0
                 bucket.state["async_length"] = plan.error_numel
         bucket.append_python_op(lambda name, b=bucket: self._run(bagua_ddp, b), group=self.process_group)
 
+    @staticmethod
+    def _lead(bucket) -> tuple:
+        """The leading worker dimension of the bucket's tensors: none in a job, the
+        one-process engine's ``(n,)``, whose op runs every worker's rows at once."""
+        return () if bucket.workers is None else (bucket.workers,)
+
     def _grads(self, bucket, flat):
-        out, offset = [], 0
-        for t in bucket.tensors:
-            shape = t.bagua_getter_closure().shape
+        lead, out, offset = self._lead(bucket), [], 0
+        for shape in bucket.shapes:
             n = math.prod(shape)
-            out.append(flat[offset : offset + n].view(shape))
+            out.append(flat[..., offset : offset + n].view(*lead, *shape))
             offset += n
         return out
 
@@ -177,11 +188,11 @@ class PowerSGDAlgorithmImpl(CountsBytes, AlgorithmImpl):
         step = bagua_ddp.bagua_train_step_counter
         flat = bucket.flat_view()
         sent = 0
-        grad_bytes = sum(t.bagua_getter_closure().numel() for t in bucket.tensors) * flat.element_size()
+        grad_bytes = bucket.bytes()  # a worker's
         if step <= self.settings.start_iter:
             comm.allreduce_inplace(flat, comm.ReduceOp.AVG, group=self.process_group)
             bucket.write_flat(flat)
-            self.count_bytes(step, flat.numel() * flat.element_size(), grad_bytes)
+            self.count_bytes(step, bucket.numel * flat.element_size(), grad_bytes)
             return
         plan = self._plans[bucket.name]
         state = bucket.state
@@ -192,17 +203,18 @@ class PowerSGDAlgorithmImpl(CountsBytes, AlgorithmImpl):
                 # Whether this worker's last transfer had not finished (a host-side query,
                 # no wait); it rides the P allreduce, so every worker learns whether any was.
                 is_late = handle is not None and not handle.is_completed()
-                late = torch.full((1,), 1.0 if is_late else 0.0, dtype=torch.float32, device=flat.device)
+                late = torch.full((*self._lead(bucket), 1), 1.0 if is_late else 0.0, dtype=torch.float32,
+                                  device=flat.device)
             if handle is not None:
                 handle.wait()
         grads = self._grads(bucket, flat)
         out = None
         if self.options.error_in_grad:
-            approx = torch.empty(plan.error_numel, dtype=flat.dtype, device=flat.device)
+            approx = torch.empty(*self._lead(bucket), plan.error_numel, dtype=flat.dtype, device=flat.device)
             out = {}
             for i in plan.compressed:
                 offset = plan.error_offsets[i]
-                out[i] = approx[offset : offset + grads[i].numel()].view(grads[i].shape)
+                out[i] = approx[..., offset : offset + plan.numel(i)].view(grads[i].shape)
             self._approx_buffers[bucket.name] = (approx, out)
 
         def allreduce_mean(t):
@@ -226,7 +238,7 @@ class PowerSGDAlgorithmImpl(CountsBytes, AlgorithmImpl):
     def _start_error_average(self, bucket, someone_late: bool) -> int:
         state = bucket.state
         error = state["error"]
-        total = error.numel()
+        total = error.shape[-1]  # a worker's
         if self.settings.async_error == "full":
             piece = error
         else:
@@ -236,20 +248,25 @@ class PowerSGDAlgorithmImpl(CountsBytes, AlgorithmImpl):
             start = state["async_offset"] % total
             end = start + length
             if end <= total:
-                piece = error[start:end]
+                piece = error[..., start:end]
             else:  # wraps around: average a contiguous copy, then write it back
                 piece = None
                 idx = torch.arange(start, end, device=error.device) % total
-                copy = error[idx].contiguous()
+                copy = error.index_select(-1, idx).contiguous()
                 handle = comm.allreduce_inplace(copy, comm.ReduceOp.AVG, group=self.process_group, async_op=True)
-                handle.then(lambda: error.index_copy_(0, idx, copy))
+                handle.then(lambda: error.index_copy_(error.dim() - 1, idx, copy))
                 self._async_handles[bucket.name] = handle
                 state["async_offset"] = end % total
-                return copy.numel() * copy.element_size()
+                return copy.shape[-1] * copy.element_size()
             state["async_offset"] = end % total
-        handle = comm.allreduce_inplace(piece, comm.ReduceOp.AVG, group=self.process_group, async_op=True)
+        if not piece.is_contiguous():  # (a slice of every worker's row: the engine)
+            whole, piece = piece, piece.contiguous()
+            handle = comm.allreduce_inplace(piece, comm.ReduceOp.AVG, group=self.process_group, async_op=True)
+            handle.then(lambda: whole.copy_(piece))
+        else:
+            handle = comm.allreduce_inplace(piece, comm.ReduceOp.AVG, group=self.process_group, async_op=True)
         self._async_handles[bucket.name] = handle
-        return piece.numel() * piece.element_size()
+        return piece.shape[-1] * piece.element_size()
 
 
     def wait_async_error(self) -> None:
@@ -266,7 +283,8 @@ class PowerSGDAlgorithmImpl(CountsBytes, AlgorithmImpl):
             return param.grad
         plan = self._plans[bucket.name]
         offset = plan.error_offsets[index]
-        return bucket.state["error"][offset : offset + param.numel()].view(param.shape)
+        numel = plan.numel(index)  # a worker's
+        return bucket.state["error"][..., offset : offset + numel].view(param.shape)
 
     def init_forward_pre_hook(self, bagua_ddp):
         def hook(inputs):

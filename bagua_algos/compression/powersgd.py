@@ -257,19 +257,21 @@ def _draw_qs(plan: BucketPlan, generator: torch.Generator, dtype, device) -> Dic
     return out
 
 
-def init_state(plan: BucketPlan, seed: int, dtype: torch.dtype, device, error_feedback: bool) -> dict:
+def init_state(plan: BucketPlan, seed: int, dtype: torch.dtype, device, error_feedback: bool,
+               lead: Tuple[int, ...] = ()) -> dict:
     """A bucket's PowerSGD state: the Q's (one b × m × r batch per shape group, i.i.d.
     N(0, 1) from a CPU generator seeded with ``seed``, then moved to ``device``, so
     identical on every worker and on every device), the generator's state, and the
-    error buffer (zeros, the gradients' dtype; absent without error feedback). Plain
-    tensors and dicts: checkpointable as is."""
+    error buffer (zeros, the gradients' dtype, ``[*lead, error_numel]``: one per worker
+    of a leading worker dimension; absent without error feedback). Plain tensors and
+    dicts: checkpointable as is."""
     device = torch.device(device)
     cdtype = compute_dtype(dtype)
     generator = _new_generator(seed)
     q = _draw_qs(plan, generator, cdtype, device)
     state = {"q": q, "rng_state": generator.get_state(), "compressed_steps": 0}
     if error_feedback:
-        state["error"] = torch.zeros(plan.error_numel, dtype=dtype, device=device)
+        state["error"] = torch.zeros(*lead, plan.error_numel, dtype=dtype, device=device)
     return state
 
 
@@ -579,6 +581,12 @@ def compress_aggregate(
     entry ``grads[i]`` holds A_i (the gradient accumulated onto λ·e), on return it holds
     the new error A_i − M̃_i, and M̃_i is written to ``out[i]`` instead.
 
+    Leading worker dimension: ``grads[i]`` may be ``[*lead, *plan.shapes[i]]`` (the
+    one-process engine's W workers, a row each; ``state["error"]`` then ``[*lead,
+    error_numel]``): every worker forms its own A and error, ``allreduce_mean``
+    averages over the leading dimension, and the Q's stay one for all (they are
+    averaged). A job's worker has no leading dimension. The bytes are a worker's.
+
     Kernels: per shape group one product for P, one for Q, one or two for the update
     and the error (plus a copy or a ``_foreach`` op where the group's gradients are
     not one strided view), three for the warm start's zero-column guard; per bucket
@@ -586,24 +594,33 @@ def compress_aggregate(
     collectives. The host never waits for the device here.
     """
     bytes_sent = StepBytes()
-    uncompressed = _start_uncompressed(plan, grads, allreduce_mean, start_allreduce_mean)
+    lead = _lead(plan, grads)
+    uncompressed = _start_uncompressed(plan, grads, allreduce_mean, start_allreduce_mean, lead)
     bytes_sent.uncompressed = uncompressed.bytes
     if plan.groups:
         if not options.warm_start:
             _redraw_qs(plan, state, grads)
-        groups, products = _form_a_and_p(plan, grads, state, options, 0 if p_extra is None else p_extra.numel())
-        factors = subspace_iteration([g.a for g in groups], [state["q"][g.spec.key] for g in groups], allreduce_mean,
-                                     options.power_iterations, options.orthogonalization, options.epsilon, p_extra,
-                                     products)
-        bytes_sent.p, bytes_sent.q = factors.p_bytes, factors.q_bytes
+        groups, products = _form_a_and_p(plan, grads, state, options, 0 if p_extra is None else p_extra.shape[-1],
+                                         lead)
+        qs = [state["q"][g.spec.key].expand(*lead, -1, -1, -1) for g in groups]
+        factors = subspace_iteration([g.a for g in groups], qs, allreduce_mean, options.power_iterations,
+                                     options.orthogonalization, options.epsilon, p_extra, products)
+        workers = math.prod(lead)
+        bytes_sent.p, bytes_sent.q = factors.p_bytes // workers, factors.q_bytes // workers
         bytes_sent.p_extra_on_host = factors.p_extra_on_host
-        _apply_update(groups, factors, out, options)
+        _apply_update(groups, factors, out, options, lead)
         if options.warm_start:
-            for group, q in zip(groups, factors.q):
-                state["q"][group.spec.key] = keep_nonzero_columns(q, state["q"][group.spec.key])
+            for group, q in zip(groups, factors.q):  # (averaged: every worker's Q is the first's)
+                state["q"][group.spec.key] = keep_nonzero_columns(q[(0,) * len(lead)], state["q"][group.spec.key])
         state["compressed_steps"] = int(state.get("compressed_steps", 0)) + 1
-    _finish_uncompressed(plan, grads, uncompressed)
+    _finish_uncompressed(plan, grads, uncompressed, lead)
     return bytes_sent
+
+
+def _lead(plan: BucketPlan, grads) -> Tuple[int, ...]:
+    """The leading (worker) dimensions of ``grads`` beyond the plan's shapes."""
+    first = grads[0]
+    return tuple(first.shape[: first.dim() - len(plan.shapes[0])])
 
 
 class _Matrices:
@@ -611,26 +628,31 @@ class _Matrices:
     ``list``, a view of each, and ``batch``, the same as one b × n × m tensor without a
     copy when they lie equally spaced in one buffer (else None)."""
 
-    __slots__ = ("list", "batch")
+    __slots__ = ("list", "batch", "lead")
 
-    def __init__(self, matrices: List[torch.Tensor], batch: Optional[torch.Tensor]):
-        self.list = matrices
-        self.batch = batch
-
-    @classmethod
-    def of(cls, tensors: Sequence[torch.Tensor], group: "ShapeGroup") -> "_Matrices":
-        matrices = [tensors[i].view(group.n, group.m) for i in group.members]
-        return cls(matrices, _batch_view(matrices, group.n, group.m))
+    def __init__(self, matrices: List[torch.Tensor], batch: Optional[torch.Tensor], lead: Tuple[int, ...] = ()):
+        self.list = matrices  # each [*lead, n, m]
+        self.batch = batch  # [*lead, b, n, m] or None
+        self.lead = lead
 
     @classmethod
-    def from_batch(cls, batch: torch.Tensor) -> "_Matrices":
-        return cls(list(batch.unbind(0)), batch)
+    def of(cls, tensors: Sequence[torch.Tensor], group: "ShapeGroup", lead: Tuple[int, ...] = ()) -> "_Matrices":
+        matrices = [tensors[i].view(*lead, group.n, group.m) for i in group.members]
+        if not lead:
+            return cls(matrices, _batch_view(matrices, group.n, group.m))
+        return cls(matrices, _stacked_batch_view(matrices, group.n, group.m, lead), lead)
+
+    @classmethod
+    def from_batch(cls, batch: torch.Tensor, lead: Tuple[int, ...] = ()) -> "_Matrices":
+        return cls(list(batch.unbind(len(lead))), batch, lead)
 
     def read(self, dtype: torch.dtype) -> torch.Tensor:
         """The matrices as one batch in ``dtype``: ``batch`` itself where it has that
         dtype (writes to it are writes to the matrices), else a new tensor."""
         if self.batch is not None and self.batch.dtype == dtype:
             return self.batch
+        if self.lead:
+            return torch.stack(self.list, dim=len(self.lead)).to(dtype)
         copy = torch.empty(len(self.list), *self.list[0].shape, dtype=dtype, device=self.list[0].device)
         if self.batch is not None:
             copy.copy_(self.batch)
@@ -643,13 +665,18 @@ class _Matrices:
         if self.batch is not None:
             self.batch.copy_(batch)
         else:
-            torch._foreach_copy_(self.list, list(batch.unbind(0)))
+            torch._foreach_copy_(self.list, list(batch.unbind(len(self.lead))))
 
     def write_reconstruction(self, p: torch.Tensor, q: torch.Tensor) -> None:
         """matrices ← P·Qᵀ: straight into ``batch``, or on CPU into each matrix, where
         they have P's dtype; else computed in P's dtype and written (converted) by
-        :meth:`write`."""
-        if self.batch is not None and self.batch.dtype == p.dtype:
+        :meth:`write`. With a leading worker dimension P and Q are averaged, the same
+        for every worker: P·Qᵀ is computed once and written to every worker's rows."""
+        if self.lead:
+            first = (0,) * len(self.lead)
+            update = reconstruct(p[first], q[first])
+            self.write(update.expand(*self.lead, *update.shape))
+        elif self.batch is not None and self.batch.dtype == p.dtype:
             reconstruct(p, q, out=self.batch)
         elif not _batched(p) and self.list[0].dtype == p.dtype:  # CPU: each matrix, no temporary
             for matrix, p_j, q_j in zip(self.list, p.unbind(0), q.unbind(0)):
@@ -678,12 +705,14 @@ class _GroupStep:
     error: Optional[_Matrices]
 
 
-def _start_uncompressed(plan: BucketPlan, grads, allreduce_mean, start_allreduce_mean) -> "_Pending":
-    """Step 1: pack the uncompressed tensors into one buffer and start its allreduce-mean
-    (``start_allreduce_mean``, or ``allreduce_mean`` at once when that is None)."""
+def _start_uncompressed(plan: BucketPlan, grads, allreduce_mean, start_allreduce_mean,
+                        lead: Tuple[int, ...] = ()) -> "_Pending":
+    """Step 1: pack the uncompressed tensors into one buffer (``[*lead, total]``) and
+    start its allreduce-mean (``start_allreduce_mean``, or ``allreduce_mean`` at once
+    when that is None)."""
     if not plan.uncompressed:
         return _Pending(None, None)
-    packed = torch.cat([grads[i].reshape(-1) for i in plan.uncompressed])
+    packed = torch.cat([grads[i].reshape(*lead, -1) for i in plan.uncompressed], dim=-1)
     if start_allreduce_mean is None:
         allreduce_mean(packed)
         return _Pending(packed, None)
@@ -697,10 +726,11 @@ class _Pending:
 
     @property
     def bytes(self) -> int:
-        return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+        """A worker's bytes."""
+        return 0 if self.packed is None else self.packed.shape[-1] * self.packed.element_size()
 
 
-def _finish_uncompressed(plan: BucketPlan, grads, pending: _Pending) -> None:
+def _finish_uncompressed(plan: BucketPlan, grads, pending: _Pending, lead: Tuple[int, ...] = ()) -> None:
     """Step 7: wait for the uncompressed tensors' allreduce and copy the means back."""
     if pending.packed is None:
         return
@@ -708,15 +738,15 @@ def _finish_uncompressed(plan: BucketPlan, grads, pending: _Pending) -> None:
         pending.handle.wait()
     targets, sources, offset = [], [], 0
     for i in plan.uncompressed:
-        n = grads[i].numel()
+        n = plan.numel(i)
         targets.append(grads[i])
-        sources.append(pending.packed[offset : offset + n].view_as(grads[i]))
+        sources.append(pending.packed[..., offset : offset + n].view_as(grads[i]))
         offset += n
     torch._foreach_copy_(targets, sources)
 
 
-def _form_a_and_p(plan: BucketPlan, grads, state: dict, options: PowerSGDOptions, extra: int
-                  ) -> Tuple[List[_GroupStep], Tuple[torch.Tensor, List[torch.Tensor]]]:
+def _form_a_and_p(plan: BucketPlan, grads, state: dict, options: PowerSGDOptions, extra: int,
+                  lead: Tuple[int, ...] = ()) -> Tuple[List[_GroupStep], Tuple[torch.Tensor, List[torch.Tensor]]]:
     """Step 3: A = G + λ·e for every shape group, in the compute dtype, and P = A·Q into
     a :func:`p_buffer` with ``extra`` free elements at its end (returned with the groups).
 
@@ -732,27 +762,27 @@ def _form_a_and_p(plan: BucketPlan, grads, state: dict, options: PowerSGDOptions
     decay = options.error_decay
     steps, addends = [], []  # addends: G where A = G + λ·e is still to be formed in e
     for spec in plan.groups:
-        g = _Matrices.of(grads, spec)
+        g = _Matrices.of(grads, spec, lead)
         if error is None:  # A is G (error_in_grad: G holds G + λe already)
             keeps_error = options.error_in_grad and options.error_feedback
             steps.append(_GroupStep(spec, g, g.read(cdtype), g if keeps_error else None))
             addends.append(None)
         elif dtype == cdtype:  # A formed in the error buffer, in one pass, below
             e = _group_error(error, spec)
-            steps.append(_GroupStep(spec, g, e, _Matrices.from_batch(e)))
+            steps.append(_GroupStep(spec, g, e, _Matrices.from_batch(e, lead)))
             addends.append(g)
         else:
             e = _group_error(error, spec)
             a = g.read(cdtype)
             if decay != 0.0:
                 a.add_(e.to(cdtype), alpha=decay)
-            steps.append(_GroupStep(spec, g, a, _Matrices.from_batch(e)))
+            steps.append(_GroupStep(spec, g, a, _Matrices.from_batch(e, lead)))
             addends.append(None)
-    qs = [state["q"][step.spec.key] for step in steps]
+    qs = [state["q"][step.spec.key].expand(*lead, -1, -1, -1) for step in steps]
     products = p_buffer([step.a for step in steps], qs, extra)
     fused = _fused_cpu_passes()
     for step, g, q, p in zip(steps, addends, qs, products[1]):
-        if g is not None and not _batched(step.a):
+        if g is not None and not _batched(step.a) and not lead:
             for a_j, g_j, q_j, p_j in zip(step.error.list, g.list, q.unbind(0), p.unbind(0)):
                 if fused is not None and q_j.shape[-1] <= FUSED_FORM_MAX_RANK and g_j.is_contiguous():
                     fused.powersgd_form_a_and_p_(a_j, g_j, q_j.t().contiguous(), p_j, decay)
@@ -784,7 +814,8 @@ def _redraw_qs(plan: BucketPlan, state: dict, grads) -> None:
     redraw_qs(plan, state, compute_dtype(first.dtype), first.device)
 
 
-def _apply_update(groups: List[_GroupStep], factors: Factors, out, options: PowerSGDOptions) -> None:
+def _apply_update(groups: List[_GroupStep], factors: Factors, out, options: PowerSGDOptions,
+                  lead: Tuple[int, ...] = ()) -> None:
     """Step 5: the error keeps what the update misses, e ← A − P·Qᵀ (in place where A is
     the error's storage, else computed in A and copied), and the update P·Qᵀ is written
     to the gradients, or with ``error_in_grad`` to ``out`` (the gradients then hold the
@@ -808,7 +839,7 @@ def _apply_update(groups: List[_GroupStep], factors: Factors, out, options: Powe
             if group.a is not group.error.batch:
                 group.error.write(group.a)
         if options.error_in_grad:
-            _Matrices.of(out, group.spec).write_reconstruction(p, q)
+            _Matrices.of(out, group.spec, lead).write_reconstruction(p, q)
             if not options.error_feedback:
                 group.grads.zero_()
         else:
@@ -823,7 +854,7 @@ def _updates_matrix_by_matrix(group: _GroupStep, p: torch.Tensor, options: Power
     and then e ← e − G, where MKL's GEMM with so few inner terms is slower than reading G
     again (r = 4, 8: about 7 ms against 4.5 ms for ResNet-18's matrices, one thread), and
     at r = 1 ``addmm_`` into e and then G, the faster order there."""
-    return (not _batched(p) and not options.error_in_grad and group.error is not None
+    return (not _batched(p) and not options.error_in_grad and group.error is not None and not group.grads.lead
             and group.a is group.error.batch and group.grads.list[0].dtype == p.dtype)
 
 
@@ -900,7 +931,34 @@ def _batch_view(matrices: Sequence[torch.Tensor], n: int, m: int) -> Optional[to
 
 
 def _group_error(error: torch.Tensor, group: ShapeGroup) -> torch.Tensor:
-    return error[group.e_offset : group.e_offset + group.e_numel].view(len(group.members), group.n, group.m)
+    """The group's ``[*lead, b, n, m]`` block of the error buffer ``[*lead, error_numel]``."""
+    block = error[..., group.e_offset : group.e_offset + group.e_numel]
+    return block.view(*error.shape[:-1], len(group.members), group.n, group.m)
+
+
+def _stacked_batch_view(matrices: Sequence[torch.Tensor], n: int, m: int, lead: Tuple[int, ...]
+                        ) -> Optional[torch.Tensor]:
+    """:func:`_batch_view` for matrices with one leading worker dimension (``[W, n, m]``
+    each, every worker's rows laid out alike): one ``[W, b, n, m]`` view, or None."""
+    if len(lead) != 1:
+        return None
+    rows = [matrix[0] for matrix in matrices]
+    if any(matrix.stride(0) != matrices[0].stride(0) for matrix in matrices):
+        return None
+    first = rows[0]
+    if not first.is_contiguous():
+        return None
+    if len(rows) == 1:
+        return matrices[0].unsqueeze(1)
+    size = first.element_size()
+    step = rows[1].data_ptr() - first.data_ptr()
+    if step < n * m * size or step % size:
+        return None
+    for k, row in enumerate(rows):
+        if row.data_ptr() != first.data_ptr() + k * step or not row.is_contiguous() \
+                or row.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+    return matrices[0].as_strided((lead[0], len(rows), n, m), (matrices[0].stride(0), step // size, m, 1))
 
 
 def _foreach_add_scaled_(errors: List[torch.Tensor], grads: Sequence[torch.Tensor], decay: float) -> None:

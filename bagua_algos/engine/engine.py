@@ -21,9 +21,7 @@ import torch
 
 from ..arguments import check_int
 from ..runtime.bucket import DEFAULT_BUCKET_SIZE
-from .forms import form_for
 from .runtime import StackedRuntime
-from .stacked import Layout, StackedModel
 
 __all__ = ["Engine"]
 
@@ -31,20 +29,28 @@ __all__ = ["Engine"]
 class Engine:
     """n workers of ``algorithm`` training copies of ``module`` in one process.
 
+    The algorithm runs as it runs in a job: its own ``AlgorithmImpl``, hooks and bucket
+    ops, once per step for all n workers on stacked buckets, its collectives those of
+    the stacked communicator (:class:`~.runtime.StackedRuntime`). Nothing is registered
+    for an algorithm: one outside the package, or written for Bagua, runs as the
+    package's own do.
+
     Args:
         module: the model; its values are every worker's initial model (as after the
             per-rank runtime's broadcast of rank 0's model).
         n: the number of workers.
         algorithm: a bagua_algos ``Algorithm`` (the object ``with_bagua`` would take).
-        optimizer: ``optimizer(params_list)`` builds the optimizer of the stacked
-            ``[n, d]`` parameter; an elementwise torch optimizer (SGD, Adam, …) on it is
-            each worker's own optimizer, its state stacked the same way.
+        optimizer: ``optimizer(params_list)`` builds the optimizer of the workers'
+            stacked parameters (``[n, *shape]`` each, a row per worker); an elementwise
+            torch optimizer (SGD, Adam, …) on them is each worker's own, its state
+            stacked the same way. None for an algorithm that owns its optimizer (QAdam).
         device: where all workers live (the CPU or one GPU).
         bucket_size: the per-rank runtime's bucket size (bytes): it decides the buckets,
-            which decide what the quantising and relaying forms cut into chunks.
+            which decide what the quantising and relaying algorithms cut into chunks.
 
     ``step(x, y, loss_fn)`` is one training step of every worker: ``x[i]``, ``y[i]`` are
-    worker i's batch.
+    worker i's batch. An algorithm the engine cannot run is refused by name when the
+    engine is built (:class:`~.runtime.EngineRefusal`, a TypeError).
     """
 
     def __init__(self, module: torch.nn.Module, n: int, algorithm, optimizer, device="cpu",
@@ -52,28 +58,20 @@ class Engine:
         self.n = check_int("n", n, 1, what="a number of workers >= 1")
         self.device = torch.device(device)
         self.algorithm = algorithm
-        form_class = form_for(algorithm)
-        self.runtime = None
-        self.form = None
-        if form_class is None:  # the algorithm's own hooks and ops, on stacked buckets
-            self.runtime = StackedRuntime(module, self.n, algorithm, optimizer, self.device, bucket_size)
-            self.model = self.runtime.model
-            self.optimizer = self.runtime.bagua_optimizers[0]
-        else:
-            layout = Layout.of(module, alignment=form_class.alignment(algorithm, self.n), bucket_size=bucket_size)
-            self.model = StackedModel(module, self.n, layout, self.device)
-            self.optimizer = form_class.make_optimizer(algorithm, self.model.params, optimizer)
-            self.form = form_class(algorithm, self)
-        self.steps = 0  # bagua_train_step_counter
+        self.runtime = StackedRuntime(module, self.n, algorithm, optimizer, self.device, bucket_size)
+        self.model = self.runtime.model
+        self.optimizer = self.runtime.bagua_optimizers[0]
+
+    @property
+    def steps(self) -> int:
+        """Training steps taken (``bagua_train_step_counter``)."""
+        return self.runtime.bagua_train_step_counter
+
+    @property
+    def impl(self):
+        """The algorithm's ``AlgorithmImpl`` (its state: error buffers, counters, …)."""
+        return self.runtime.bagua_algorithm
 
     def step(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor:
         """One step of every worker; returns the ``[n]`` losses (detached)."""
-        self.steps += 1
-        if self.runtime is not None:
-            return self.runtime.step(x, y, loss_fn)
-        self.form.before_forward(self.steps)
-        losses = self.model.forward_backward(x, y, loss_fn)  # overwrites every gradient
-        self.form.after_backward(self.steps)
-        self.optimizer.step()
-        self.form.after_step(self.steps)
-        return losses
+        return self.runtime.step(x, y, loss_fn)

@@ -32,6 +32,7 @@ as in Bagua).
 from __future__ import annotations
 
 import itertools
+import time
 import weakref
 
 import torch
@@ -45,6 +46,11 @@ from .stacked import Layout, StackedModel
 __all__ = ["StackedRuntime", "EngineRefusal", "refusal"]
 
 _names = itertools.count()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class EngineRefusal(TypeError):
@@ -205,21 +211,50 @@ class StackedRuntime:
         self._ready_order = [(slot.name, self._params[slot.name]) for slot in self.model.layout.slots]
 
     # --- a step -------------------------------------------------------------------------
+    PHASES = ("before_forward", "after_backward", "after_step")
+    """The algorithm's parts of a step: its forward pre-hook; its backward hooks (which
+    run the buckets' ops) and post-backward hook; its post-optimizer-step hook."""
+
+    timings: dict | None = None
+    """Set to ``dict.fromkeys(PHASES, 0.0)`` to add up the seconds each phase takes
+    (the device synchronised around each: for benchmarks)."""
+
+    def _phase(self, name: str, run) -> None:
+        if self.timings is None:
+            run()
+            return
+        _sync(self.device)
+        start = time.perf_counter()
+        run()
+        _sync(self.device)
+        self.timings[name] += time.perf_counter() - start
+
+    def _after_backward(self) -> None:
+        for name, param in self._ready_order:
+            self._backward_hook(name, param)
+        self._post_backward_hook()
+
     def step(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor:
         """One training step of every worker (``x[i]``, ``y[i]`` worker i's batch)."""
         with comm.stacked_world(self.group):
             self.bagua_train_step_counter += 1
             if self.bagua_algorithm.need_reset():
                 self._set_up(reset=True)
-            self._forward_pre_hook((x,))
-            losses = self.model.forward_backward(x, y, loss_fn)  # overwrites every gradient
-            for name, param in self._ready_order:
-                self._backward_hook(name, param)
-            self._post_backward_hook()
+            self._phase("before_forward", lambda: self._forward_pre_hook((x,)))
+            losses = self.model.forward_backward(x, y, loss_fn, accumulate=self.bagua_algorithm.gradients_accumulate)
+            self._phase("after_backward", self._after_backward)
             for optimizer in self.bagua_optimizers:
                 optimizer.step()
-                self._post_step_hook(optimizer)
+                self._phase("after_step", lambda: self._post_step_hook(optimizer))
         return losses
+
+    def run_bucket_ops(self) -> None:
+        """Run every bucket's ops once more on what the buckets hold now (for
+        benchmarks: the algorithm's communication step alone)."""
+        with comm.stacked_world(self.group):
+            for bucket in self.bagua_buckets:
+                bucket._before_ops()
+                bucket._run_ops()
 
     def wait_pending_comm_ops(self) -> None:
         self._bagua_backend.wait_pending_comm_ops()

@@ -195,10 +195,11 @@ class StackedModel:
         buffers = {name: torch.cat([b, _average_buffer(b).unsqueeze(0)]) for name, b in self.buffers.items()}
         return params, buffers
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor:
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn, accumulate: bool = False) -> torch.Tensor:
         """Every worker's loss on its own batch (``x[i]``, ``y[i]``), shape ``[n]``, and
-        its gradient in row i of ``grads``; the forward updates each worker's buffers in
-        place (training mode)."""
+        its gradient in row i of ``grads`` (added to what is there with ``accumulate``,
+        as backward adds to a process's ``p.grad``); the forward updates each worker's
+        buffers in place (training mode)."""
         self.module.train()
 
         if self._direct is not None:
@@ -213,7 +214,10 @@ class StackedModel:
         with torch.no_grad():
             for target, grad in zip(self._grad_views, grads):
                 if grad is None:  # a parameter the loss does not use: no gradient, as in a process
-                    target.zero_()
+                    if not accumulate:
+                        target.zero_()
+                elif accumulate:
+                    target.add_(grad)
                 else:
                     target.copy_(grad)
         return losses.detach()

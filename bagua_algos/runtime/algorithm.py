@@ -79,6 +79,12 @@ class AlgorithmImpl:
     defines ``init_post_optimizer_step_hook`` itself, is taken to need the step (True):
     that is an algorithm file written for Bagua, which has no such attribute."""
 
+    gradients_accumulate: bool = False
+    """Whether backward must add to the gradients the algorithm leaves between steps
+    (PowerSGD with ``error_in_grad`` keeps λ·e there, and the training loop does not
+    zero them): the one-process engine then adds each step's gradients to the stacked
+    gradients instead of writing them."""
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if "needs_optimizer_step" not in vars(cls) and "init_post_optimizer_step_hook" in vars(cls):

@@ -8,6 +8,7 @@ script. Each run is a subprocess in its own session with a hard timeout.
 
 from __future__ import annotations
 
+import fnmatch
 import re
 
 import pytest
@@ -50,7 +51,16 @@ def test_readme_python_block_runs_as_printed(index, tmp_path):
 
 # ------------------------------------------------------------------- named paths
 
-TOP_LEVEL = {path.name for path in REPO.iterdir() if not path.name.startswith(".")}
+def _ignored(name: str) -> bool:
+    """Whether .gitignore ignores the top-level entry ``name`` (an output such as
+    ``results/``, which the README's first command writes: not part of the repository)."""
+    patterns = [line.strip().strip("/") for line in (REPO / ".gitignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    return any(fnmatch.fnmatch(name, pattern) for pattern in patterns)
+
+
+# The repository's own top-level entries, whatever a previous command wrote beside them.
+TOP_LEVEL = {path.name for path in REPO.iterdir() if not path.name.startswith(".") and not _ignored(path.name)}
 # A path with a directory in it, as the docs write one: `code` or a link target.
 _INLINE_CODE = re.compile(r"`([^`\n]+)`")
 _LINK = re.compile(r"\]\(([^)\s]+)\)")

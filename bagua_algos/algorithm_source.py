@@ -41,10 +41,21 @@ def _with_compat_on_path() -> None:
         sys.path.insert(0, compat.compat_path())
 
 
+def _already_imported(path: str):
+    """A module of ``sys.modules`` loaded from the file ``path`` (a script that imported
+    it by its name: loading it again would run its registrations twice), or None."""
+    for module in list(sys.modules.values()):
+        origin = getattr(module, "__file__", None)
+        if origin and os.path.exists(origin) and os.path.samefile(origin, path):
+            return module
+    return None
+
+
 def _load_file(path: str):
     path = os.path.abspath(path)
-    module = _loaded_files.get(path)
+    module = _loaded_files.get(path) or (_already_imported(path) if os.path.isfile(path) else None)
     if module is not None:
+        _loaded_files[path] = module
         return module
     if not os.path.isfile(path):
         raise ValueError(f"{path}: no such file (an algorithm file is FILE.py:ClassName)")

@@ -17,13 +17,16 @@ ALLOWED = {
     "bagua_algos.compat": {"bagua_algos.algorithms", "bagua_algos.runtime"},
     "bagua_algos.ddp_hooks": {"bagua_algos.algorithms", "bagua_algos.compression", "bagua_algos.runtime"},
     "bagua_algos.launch": {"bagua_algos.runtime"},
-    # the one-process engine: the algorithms' stacked forms, on their pure math (and
-    # cuda_ext's compiled gossip mix where that module is loaded)
+    # the one-process engine: a backend of the runtime (and its workers' shares)
     "bagua_algos.engine": {"bagua_algos.algorithms", "bagua_algos.runtime", "bagua_algos.compression",
-                           "bagua_algos.arguments", "topologies", "samplers", "cuda_ext"},
+                           "bagua_algos.arguments", "topologies", "samplers"},
+    # an algorithm named by its code, loaded with the compatibility package on the path
+    "bagua_algos.algorithm_source": {"bagua_algos.runtime", "bagua_algos.compat"},
     "bagua_algos.algorithms": {"bagua_algos.runtime", "bagua_algos.compression", "bagua_algos.arguments"},
-    # runtime/launch.py puts the compatibility package on the workers' path.
-    "bagua_algos.runtime": {"bagua_algos.compression", "bagua_algos.arguments", "topologies", "bagua_algos.compat"},
+    # runtime/launch.py puts the compatibility package on the workers' path; the gossip
+    # mix of stacked rows takes cuda_ext's compiled sweep where that module is loaded.
+    "bagua_algos.runtime": {"bagua_algos.compression", "bagua_algos.arguments", "topologies", "bagua_algos.compat",
+                            "cuda_ext"},
     "bagua_algos.compression": {"bagua_algos.arguments", "cuda_ext"},
     "bagua_algos.arguments": set(),
     "topologies": set(),

@@ -90,8 +90,8 @@ def _resume_at_two(rank, world_size, root):
         }
         if name == "relay":
             checks["messages_zero"] = all(float(t.abs().sum()) == 0 for b in buckets
-                                          for tree in b.state["relay_received"].values() for t in tree.values())
-            checks["counts_zero"] = all(c == 0.0 for heard in impl._heard_counts for c in heard.values())
+                                          for t in b.state["relay_received"].values())
+            checks["counts_zero"] = all(float(heard.abs().sum()) == 0.0 for heard in impl._heard)
             checks["x0_carried"] = all(torch.equal(b.state["relay_x0"], saved["bagua"]["bucket_state"][b.name]["relay_x0"])
                                        for b in buckets)
             checks["step_carried"] = impl.step == saved["bagua"]["algorithm_state"]["step"]

@@ -1,0 +1,231 @@
+"""DiLoCo: H local steps of the user's (inner) optimizer, then an outer optimizer step on
+the workers' averaged pseudo-gradient (Douillard et al. 2023), and its streaming form
+(fragments synchronised at staggered steps, Douillard et al. 2025).
+
+Every worker keeps θ_outer, the model of the last synchronisation (the same on every
+worker). After inner step t (counted from 1, ``bagua_train_step_counter``), fragment f of
+the parameters synchronises when (t − f·⌊H/F⌋) mod H = 0, t ≥ 1 (F = 1: after steps
+H, 2H, …, as in the paper and torchft):
+
+1. Δ_i = θ_outer − θ_i                the worker's pseudo-gradient (the fragment's slice);
+2. Δ = (1/n) Σ_i Δ_i                  one allreduce-mean (through ``compression``, below);
+3. θ_outer ← outer SGD step on Δ      torch.optim.SGD's rule: b ← μ b + Δ (b = Δ at the
+                                      first step), d = Δ + μ b with Nesterov, else d = b;
+                                      θ_outer ← θ_outer − η d;
+4. θ_i ← θ_outer                      every worker restarts from the outer model.
+
+The inner optimizer's state is kept across rounds (the paper's). With ``outer_lr=1``,
+``outer_momentum=0`` the outer step is θ_outer ← mean_i θ_i: plain local SGD, i.e.
+``allreduce_average(communication_interval=H)`` with DiLoCo's schedule (after steps H,
+2H, … instead of Bagua's 1, H + 1, …).
+
+``compression`` sends Δ_i through a codec (the bytes counted are what a worker hands to
+the collective): ``"fp16"`` / ``"bf16"`` (an allreduce of Δ_i rounded to that dtype, as
+OpenDiLoCo's FP16 outer all-reduce), ``"minmax8"`` / ``"minmax4"`` (Bagua's min-max
+scatter-gather at 8 or 4 bits, :func:`~bagua_algos.runtime.ops.compressed_scatter_gather`;
+Streaming DiLoCo exchanges 4-bit floats, this is the min-max grid at 4 bits).
+
+Written once for a leading worker dimension: a job's process is one worker, the
+one-process engine runs this impl for its n workers at once (the fragments' buckets
+``[n, numel]``).
+
+Example::
+
+    >>> from bagua_algos.algorithms import DiLoCoAlgorithm
+    >>> DiLoCoAlgorithm(sync_every=50, fragments=2).sync_every
+    50
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..arguments import check_choice, check_flag, check_int, check_real
+from ..runtime import comm
+from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry, PostOptimizerStepHook
+from ..runtime.bucket import BaguaBucket
+from ..runtime.ops import compressed_scatter_gather
+from .model_averaging import ModelAveragingAlgorithmImpl
+
+if TYPE_CHECKING:
+    from ..runtime.ddp import BaguaDistributedDataParallel
+
+__all__ = ["DiLoCoAlgorithm", "DiLoCoAlgorithmImpl", "DILOCO_COMPRESSIONS", "fragment_syncs_at", "fragment_groups",
+           "outer_sgd_step_"]
+
+DILOCO_COMPRESSIONS = (None, "fp16", "bf16", "minmax8", "minmax4")
+_CAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_BITS = {"minmax8": 8, "minmax4": 4}
+
+
+def fragment_syncs_at(step: int, fragment: int, fragments: int, sync_every: int) -> bool:
+    """Whether fragment ``fragment`` of ``fragments`` synchronises after inner step
+    ``step`` (from 1): (step − fragment·⌊H/F⌋) mod H = 0."""
+    shifted = step - fragment * (sync_every // fragments)
+    return shifted >= 0 and step >= 1 and shifted % sync_every == 0
+
+
+def fragment_groups(numels: list, fragments: int) -> list:
+    """``numels`` (tensor sizes, in bucket order) cut into ``fragments`` consecutive runs
+    of whole tensors of about equal size: run f ends at the tensor boundary nearest to
+    (f + 1)/F of the total, each run at least one tensor (fewer runs when there are
+    fewer tensors than fragments)."""
+    fragments = min(fragments, len(numels))
+    total, groups, start, size = sum(numels), [], 0, 0
+    for f in range(fragments):
+        target = total * (f + 1) / fragments
+        end = start + 1
+        size += numels[start]
+        last_end = len(numels) - (fragments - f - 1)  # leave a tensor to each later run
+        while end < last_end and size + numels[end] / 2 <= target:
+            size += numels[end]
+            end += 1
+        if f == fragments - 1:
+            end = len(numels)
+        groups.append(list(range(start, end)))
+        start = end
+    return groups
+
+
+@torch.no_grad()
+def outer_sgd_step_(outer: torch.Tensor, momentum: torch.Tensor, delta: torch.Tensor, lr: float, mu: float,
+                    nesterov: bool, first: bool) -> None:
+    """torch.optim.SGD's step on θ_outer with gradient Δ, in place (no dampening, no
+    weight decay): b ← Δ at the first step, else μ b + Δ; d = Δ + μ b (Nesterov) or b
+    (μ > 0) or Δ; θ_outer ← θ_outer − η d."""
+    if mu == 0:
+        outer.add_(delta, alpha=-lr)
+        return
+    if first:
+        momentum.copy_(delta)
+    else:
+        momentum.mul_(mu).add_(delta)
+    step = delta.add(momentum, alpha=mu) if nesterov else momentum
+    outer.add_(step, alpha=-lr)
+
+
+class DiLoCoAlgorithmImpl(ModelAveragingAlgorithmImpl):
+    """Per fragment, one bucket (``fragment<f>``) whose ``state`` holds θ_outer
+    (``diloco_outer``), the outer momentum (``diloco_momentum``) and how many outer steps
+    it took (``diloco_outer_steps``): checkpointed with the bucket, resumed exactly."""
+
+    WORLD_SIZE_RULE = {
+        "step counter": "carried over (so the synchronisation schedule goes on)",
+        "outer model, outer momentum, outer steps": "carried over (the same on every rank, whatever n)",
+        "fragments": "rebuilt alike (they depend on the model only)",
+    }
+
+    def __init__(self, process_group, settings: "DiLoCoAlgorithm"):
+        super().__init__(process_group)
+        self.settings = settings
+        self.bytes_total = 0  # what this worker handed to collectives (a worker's, on the engine too)
+
+    def tensors_to_buckets(self, tensors: list, do_flatten: bool) -> list[BaguaBucket]:
+        flat = [t for group in tensors for t in group]
+        if not flat:
+            raise ValueError("DiLoCoAlgorithm: the module has no parameter that requires grad")
+        workers = comm.get_world_size(self.process_group) if comm.is_stacked(self.process_group) else 1
+        numels = [t.bagua_getter_closure().numel() // workers for t in flat]
+        groups = fragment_groups(numels, self.settings.fragments)
+        return [BaguaBucket([flat[i] for i in group], flatten=do_flatten, name=f"fragment{f}")
+                for f, group in enumerate(groups)]
+
+    def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
+        bucket.clear_ops()  # no bucket ops: the outer step runs on the training thread after the inner step
+        state = bucket.state
+        weights = bucket.flat_view()
+        if not (torch.is_tensor(state.get("diloco_outer")) and state["diloco_outer"].shape == weights.shape):
+            # with_bagua broadcast the parameters before calling us: this is the common θ_outer
+            state["diloco_outer"] = weights.detach().clone()
+            state["diloco_momentum"] = torch.zeros_like(weights)
+            state["diloco_outer_steps"] = 0
+
+    def init_post_optimizer_step_hook(self, bagua_ddp: BaguaDistributedDataParallel) -> PostOptimizerStepHook:
+        def hook(optimizer):
+            step = bagua_ddp.bagua_train_step_counter
+            settings = self.settings
+            for f, bucket in enumerate(bagua_ddp.bagua_buckets):
+                if fragment_syncs_at(step, f, len(bagua_ddp.bagua_buckets), settings.sync_every):
+                    self.outer_step(bucket)
+
+        return hook
+
+    @torch.no_grad()
+    def outer_step(self, bucket: BaguaBucket) -> None:
+        """Steps 1–4 on one fragment."""
+        settings, state = self.settings, bucket.state
+        weights = bucket.flat_view()
+        outer = state["diloco_outer"]
+        delta = outer - weights  # Δ_i, a worker's (a row each on the engine)
+        self.bytes_total += self._average(delta)
+        outer_sgd_step_(outer, state["diloco_momentum"], delta, settings.outer_lr, settings.outer_momentum,
+                        settings.nesterov, state["diloco_outer_steps"] == 0)
+        state["diloco_outer_steps"] += 1
+        weights.copy_(outer)
+        bucket.write_flat(weights)
+
+    def _average(self, delta: torch.Tensor) -> int:
+        """Δ ← mean_i Δ_i through the compression, in place; returns a worker's bytes."""
+        compression = self.settings.compression
+        if compression in _BITS:
+            before = comm.bytes_sent()
+            x = delta if delta.dtype == torch.float32 else delta.float()
+            compressed_scatter_gather(x, _BITS[compression], True, self.process_group)
+            if x is not delta:
+                delta.copy_(x)
+            return comm.bytes_sent() - before
+        wire = delta if compression is None else delta.to(_CAST[compression])
+        comm.allreduce_inplace(wire, comm.ReduceOp.AVG, group=self.process_group)
+        if wire is not delta:
+            delta.copy_(wire)
+        return wire.shape[-1] * wire.element_size()
+
+    def state_dict(self) -> dict:
+        return {"bytes_total": self.bytes_total}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.bytes_total = int(state.get("bytes_total", 0))
+
+
+class DiLoCoAlgorithm(Algorithm):
+    """DiLoCo (Douillard et al. 2023) and its streaming form.
+
+    Args:
+        sync_every: H, the inner steps between outer steps (an int >= 1).
+        outer_lr: η of the outer SGD (> 0; DiLoCo's 0.7).
+        outer_momentum: μ of the outer SGD, in [0, 1) (DiLoCo's 0.9).
+        nesterov: Nesterov momentum in the outer step (DiLoCo's; needs μ > 0).
+        fragments: F, the parameters cut into F fragments of whole tensors, fragment f
+            synchronised at steps f·⌊H/F⌋ + kH (Streaming DiLoCo; 1: all at once).
+        compression: None, ``"fp16"``, ``"bf16"``, ``"minmax8"`` or ``"minmax4"``: how
+            the pseudo-gradients travel (the module's notes).
+
+    The user's optimizer is the inner one (AdamW in the paper, or SGD).
+    """
+
+    def __init__(self, sync_every: int = 500, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 nesterov: bool = True, fragments: int = 1, compression=None):
+        self.sync_every = check_int("sync_every", sync_every, 1, what="the inner steps between outer steps, >= 1")
+        self.outer_lr = check_real("outer_lr", outer_lr, 0.0, low_open=True, what="a finite number > 0 (DiLoCo: 0.7)")
+        self.outer_momentum = check_real("outer_momentum", outer_momentum, 0.0, 1.0, high_open=True,
+                                         what="a momentum in [0, 1) (DiLoCo: 0.9)")
+        self.nesterov = check_flag("nesterov", nesterov)
+        if self.nesterov and self.outer_momentum == 0:
+            raise ValueError("nesterov=True needs outer_momentum > 0 (as torch.optim.SGD); pass nesterov=False "
+                             "with outer_momentum=0")
+        self.fragments = check_int("fragments", fragments, 1, what="the number of fragments, >= 1")
+        if self.fragments > self.sync_every:
+            raise ValueError(f"fragments={self.fragments} staggers the fragments by ⌊H/F⌋ steps, so it must be at "
+                             f"most sync_every={self.sync_every}")
+        self.compression = check_choice("compression", compression, DILOCO_COMPRESSIONS)
+
+    def reify(self, process_group) -> DiLoCoAlgorithmImpl:
+        return DiLoCoAlgorithmImpl(process_group, self)
+
+
+GlobalAlgorithmRegistry.register(
+    "diloco", DiLoCoAlgorithm,
+    "DiLoCo: H inner steps, then an outer Nesterov SGD step on the averaged pseudo-gradient")

@@ -1,0 +1,234 @@
+"""DiLoCo (bagua_algos/algorithms/diloco.py) against an oracle written from the paper's
+update rule: n copies of a model in one process, the inner SGD on each, and at every
+synchronisation θ_outer stepped by ``torch.optim.SGD(nesterov=True)`` on the averaged
+pseudo-gradient Δ = θ_outer − mean_i θ_i, every copy restarting from θ_outer. Run on the
+one-process engine and as gloo processes (the same impl), fragments included; with
+outer_lr=1 and no momentum it is local SGD, ``allreduce_average(communication_interval=H)``
+shifted by Bagua's offset; checkpoints resume exactly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import engine_cases
+from gloo_workers import run_workers
+
+N, STEPS = 4, 12
+
+
+def _oracle(sync_every, outer_lr, outer_momentum, nesterov, fragments, steps=STEPS):
+    """[N, d] parameters (registration order) after ``steps`` steps, from the rule alone."""
+    from bagua_algos.algorithms.diloco import fragment_groups
+    from bagua_algos.engine.data import WorkerShares
+
+    x, y = engine_cases.data()
+    models = [engine_cases.model() for _ in range(N)]
+    inner = [engine_cases.optimizer(m.parameters()) for m in models]
+    names = [name for name, _ in models[0].named_parameters()]
+    order = list(reversed(names))  # the runtime's bucket order
+    sizes = [dict(models[0].named_parameters())[name].numel() for name in order]
+    groups = [[order[i] for i in group] for group in fragment_groups(sizes, fragments)]
+    outer = {name: p.detach().clone().requires_grad_() for name, p in models[0].named_parameters()}
+    outer_opts = [torch.optim.SGD([outer[name] for name in group], lr=outer_lr, momentum=outer_momentum,
+                                  nesterov=nesterov) for group in groups]
+    shares = WorkerShares(y, N, engine_cases.ALPHA, engine_cases.SEED)
+    step, epoch = 0, 0
+    while step < steps:
+        for index in shares.batches(epoch, engine_cases.BATCH):
+            if step == steps:
+                break
+            step += 1
+            for i, (model, opt) in enumerate(zip(models, inner)):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x[index[i]]), y[index[i]]).backward()
+                opt.step()
+            for f, (group, outer_opt) in enumerate(zip(groups, outer_opts)):
+                shifted = step - f * (sync_every // len(groups))
+                if shifted < 0 or shifted % sync_every:
+                    continue
+                with torch.no_grad():
+                    for name in group:
+                        mean = torch.stack([dict(m.named_parameters())[name] for m in models]).mean(0)
+                        outer[name].grad = outer[name].detach() - mean
+                outer_opt.step()
+                with torch.no_grad():
+                    for model in models:
+                        params = dict(model.named_parameters())
+                        for name in group:
+                            params[name].copy_(outer[name])
+        epoch += 1
+    return torch.stack([torch.nn.utils.parameters_to_vector(m.parameters()).detach() for m in models])
+
+
+def _engine(kwargs, steps=STEPS, still_first_step=False):
+    """The engine's [N, d] parameters after ``steps`` steps of the registered ``diloco``
+    (or another algorithm: ``kwargs["name"]``); ``still_first_step``: before them, one
+    step at learning rate 0 (which changes nothing with plain SGD, but counts)."""
+    from bagua_algos import Algorithm
+    from bagua_algos.engine import Engine
+    from bagua_algos.engine.data import WorkerShares
+
+    kwargs = dict(kwargs)
+    name = kwargs.pop("name", "diloco")
+    x, y = engine_cases.data()
+    net = engine_cases.model()
+    engine = Engine(net, N, Algorithm.init(name, **kwargs), engine_cases.optimizer)
+    shares = WorkerShares(y, N, engine_cases.ALPHA, engine_cases.SEED)
+    if still_first_step:
+        lr = engine.optimizer.param_groups[0]["lr"]
+        engine.optimizer.param_groups[0]["lr"] = 0.0
+        index = next(iter(shares.batches(0, engine_cases.BATCH)))
+        engine.step(x[index], y[index], torch.nn.functional.cross_entropy)
+        engine.optimizer.param_groups[0]["lr"] = lr
+    epoch, done = 0, 0
+    while done < steps:
+        for index in shares.batches(epoch, engine_cases.BATCH):
+            if done == steps:
+                break
+            engine.step(x[index], y[index], torch.nn.functional.cross_entropy)
+            done += 1
+        epoch += 1
+    names = [name for name, _ in net.named_parameters()]
+    return torch.stack([torch.cat([engine.model.worker_state(i)[n].reshape(-1) for n in names]) for i in range(N)])
+
+
+SETTINGS = [
+    ("paper", {"sync_every": 3, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, "fragments": 1}),
+    ("no_nesterov", {"sync_every": 4, "outer_lr": 0.5, "outer_momentum": 0.8, "nesterov": False, "fragments": 1}),
+    ("streaming", {"sync_every": 4, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, "fragments": 2}),
+    ("three_fragments", {"sync_every": 3, "outer_lr": 0.9, "outer_momentum": 0.5, "nesterov": True,
+                         "fragments": 3}),
+]
+
+
+@pytest.mark.parametrize("label,kwargs", SETTINGS, ids=[s[0] for s in SETTINGS])
+def test_the_engine_follows_the_papers_rule(label, kwargs):
+    expected = _oracle(**kwargs)
+    got = _engine(kwargs)
+    scale = expected.abs().max()
+    assert (got - expected).abs().max() <= 1e-5 * scale, label
+    assert (got - got[0]).abs().max() > 0  # the copies drift between synchronisations (STEPS % H != 0)
+
+
+def test_outer_lr_one_without_momentum_is_local_sgd_shifted_by_bagua_s_offset():
+    """allreduce_average(communication_interval=H) averages after steps 1, H + 1, …;
+    DiLoCo(outer_lr=1, μ=0) after H, 2H, …: with a first step that changes nothing (its
+    learning rate 0, plain SGD), allreduce_average's steps 2 … T + 1 are DiLoCo's 1 … T."""
+    plain = {"lr": 0.05}
+
+    def sgd(params):
+        return torch.optim.SGD(params, **plain)
+
+    original = engine_cases.optimizer
+    engine_cases.optimizer = sgd
+    try:
+        diloco = _engine({"sync_every": 3, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}, steps=9)
+        local = _engine({"name": "allreduce_average", "communication_interval": 3}, steps=9, still_first_step=True)
+    finally:
+        engine_cases.optimizer = original
+    assert (diloco - local).abs().max() <= 1e-6 * local.abs().max()
+
+
+def _processes(rank, world, cases):
+    return engine_cases.per_rank(rank, world, cases)
+
+
+CASES = [(label, "diloco", kwargs) for label, kwargs in SETTINGS[:3]] + [
+    ("fp16", "diloco", {"sync_every": 3, "compression": "fp16"}),
+    ("minmax8", "diloco", {"sync_every": 3, "compression": "minmax8"}),
+]
+
+
+@pytest.fixture(scope="module")
+def per_rank():
+    return run_workers(_processes, N, CASES, timeout=120)
+
+
+@pytest.mark.parametrize("label,name,kwargs", CASES, ids=[c[0] for c in CASES])
+def test_every_engine_worker_equals_its_process(per_rank, label, name, kwargs):
+    expected = torch.stack([per_rank[rank][label] for rank in range(N)])
+    got = engine_cases.stacked(N, name, kwargs)
+    scale = expected.abs().max()
+    assert (got - expected).abs().max() <= 1e-5 * scale, label
+
+
+def test_compression_changes_the_pseudo_gradient_and_counts_fewer_bytes():
+    from bagua_algos import Algorithm
+    from bagua_algos.engine import Engine
+
+    exact = engine_cases.stacked(N, "diloco", {"sync_every": 3})
+    for compression, bytes_per_value in (("fp16", 2), ("bf16", 2), ("minmax8", None), ("minmax4", None)):
+        got = engine_cases.stacked(N, "diloco", {"sync_every": 3, "compression": compression})
+        difference = (got - exact).abs().max()
+        assert 0 < difference < 0.05 * exact.abs().max(), compression
+    net = engine_cases.model()
+    d = sum(p.numel() for p in net.parameters())
+    counts = {}
+    for compression in (None, "fp16", "minmax8", "minmax4"):
+        engine = Engine(engine_cases.model(), N, Algorithm.init("diloco", sync_every=1, compression=compression),
+                        engine_cases.optimizer)
+        x, y = engine_cases.data()
+        engine.step(x[:32].view(N, 8, 12), y[:32].view(N, 8), torch.nn.functional.cross_entropy)
+        counts[compression] = engine.impl.bytes_total
+    assert counts[None] == 4 * d and counts["fp16"] == 2 * d
+    assert counts["minmax4"] < counts["minmax8"] < counts["fp16"]
+
+
+def _resume_worker(rank, world):
+    """Train 4 steps, checkpoint, 4 more; a fresh model resumed from the checkpoint takes
+    the same 4 more steps: equal bit for bit."""
+    import bagua_algos as bagua
+    from bagua_algos.algorithms import DiLoCoAlgorithm
+
+    x, y = engine_cases.data()
+    xs, ys = x[rank::world][:64].view(8, 8, 12), y[rank::world][:64].view(8, 8)
+
+    def wrapped():
+        net = engine_cases.model()
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        return net.with_bagua([opt], DiLoCoAlgorithm(sync_every=3, fragments=2)), opt
+
+    def steps(net, opt, batches):
+        for k in batches:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(xs[k]), ys[k]).backward()
+            opt.step()
+
+    net, opt = wrapped()
+    steps(net, opt, range(4))
+    checkpoint = copy.deepcopy({"model": net.state_dict(), "opt": opt.state_dict(), "bagua": net.bagua_state_dict()})
+    steps(net, opt, range(4, 8))
+    resumed, resumed_opt = wrapped()
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt.load_state_dict(checkpoint["opt"])
+    resumed.load_bagua_state_dict(checkpoint["bagua"])
+    steps(resumed, resumed_opt, range(4, 8))
+    keys = sorted(checkpoint["bagua"]["bucket_state"]["fragment1"])
+    same = all(torch.equal(a, b) for a, b in zip(net.parameters(), resumed.parameters()))
+    bagua.get_rank()
+    return same, keys
+
+
+def test_a_checkpoint_resumes_exactly():
+    for same, keys in run_workers(_resume_worker, 2, timeout=90):
+        assert same
+        assert keys == ["diloco_momentum", "diloco_outer", "diloco_outer_steps"]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"sync_every": 0}, "sync_every"),
+    ({"outer_lr": 0}, "outer_lr"),
+    ({"outer_momentum": 1.0}, "outer_momentum"),
+    ({"outer_momentum": 0.0}, "nesterov=True needs outer_momentum > 0"),
+    ({"fragments": 0}, "fragments"),
+    ({"sync_every": 2, "fragments": 3}, "fragments=3"),
+    ({"compression": "int3"}, "compression"),
+])
+def test_bad_arguments_are_refused_by_name(kwargs, match):
+    from bagua_algos.algorithms import DiLoCoAlgorithm
+
+    with pytest.raises(ValueError, match=match):
+        DiLoCoAlgorithm(**kwargs)

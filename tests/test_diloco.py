@@ -16,7 +16,7 @@ import torch
 import engine_cases
 from gloo_workers import run_workers
 
-N, STEPS = 4, 12
+N, STEPS = 4, 13  # 13: the run ends between synchronisations
 
 
 def _oracle(sync_every, outer_lr, outer_momentum, nesterov, fragments, steps=STEPS):
@@ -138,6 +138,7 @@ def _processes(rank, world, cases):
 
 CASES = [(label, "diloco", kwargs) for label, kwargs in SETTINGS[:3]] + [
     ("fp16", "diloco", {"sync_every": 3, "compression": "fp16"}),
+    ("bf16", "diloco", {"sync_every": 3, "compression": "bf16"}),
     ("minmax8", "diloco", {"sync_every": 3, "compression": "minmax8"}),
 ]
 
@@ -147,12 +148,18 @@ def per_rank():
     return run_workers(_processes, N, CASES, timeout=120)
 
 
+# An fp16 allreduce adds in fp16 on the wire (gloo's ring rounds each partial sum to
+# fp16), the stacked one sums the fp16 rows in float32 and rounds once: the averaged Δ
+# differs by a few fp16 ulps of Δ (2^-11 relative; bf16: 2^-8), which the outer steps carry.
+RTOL = {"fp16": 1e-3, "bf16": 1e-2}
+
+
 @pytest.mark.parametrize("label,name,kwargs", CASES, ids=[c[0] for c in CASES])
 def test_every_engine_worker_equals_its_process(per_rank, label, name, kwargs):
     expected = torch.stack([per_rank[rank][label] for rank in range(N)])
     got = engine_cases.stacked(N, name, kwargs)
     scale = expected.abs().max()
-    assert (got - expected).abs().max() <= 1e-5 * scale, label
+    assert (got - expected).abs().max() <= RTOL.get(label, 1e-5) * scale, label
 
 
 def test_compression_changes_the_pseudo_gradient_and_counts_fewer_bytes():
@@ -160,10 +167,11 @@ def test_compression_changes_the_pseudo_gradient_and_counts_fewer_bytes():
     from bagua_algos.engine import Engine
 
     exact = engine_cases.stacked(N, "diloco", {"sync_every": 3})
-    for compression, bytes_per_value in (("fp16", 2), ("bf16", 2), ("minmax8", None), ("minmax4", None)):
-        got = engine_cases.stacked(N, "diloco", {"sync_every": 3, "compression": compression})
-        difference = (got - exact).abs().max()
-        assert 0 < difference < 0.05 * exact.abs().max(), compression
+    scale = exact.abs().max()
+    off = {compression: float((engine_cases.stacked(N, "diloco", {"sync_every": 3, "compression": compression})
+                               - exact).abs().max()) for compression in ("fp16", "bf16", "minmax8", "minmax4")}
+    assert 0 < off["fp16"] < off["minmax8"] < off["minmax4"] < 0.1 * scale, off  # coarser codes stray further
+    assert 0 < off["bf16"] < 0.05 * scale, off
     net = engine_cases.model()
     d = sum(p.numel() for p in net.parameters())
     counts = {}

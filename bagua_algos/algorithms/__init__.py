@@ -5,6 +5,7 @@ from .async_model_average import AsyncModelAverageAlgorithm, AsyncModelAverageAl
 from .atomo import AtomoAlgorithm
 from .bytegrad import ByteGradAlgorithm, ByteGradAlgorithmImpl
 from .decentralized import DecentralizedAlgorithm, DecentralizedAlgorithmImpl, shift_one_peer
+from .diloco import DiLoCoAlgorithm, DiLoCoAlgorithmImpl
 from .gradient_allreduce import GradientAllReduceAlgorithm, GradientAllReduceAlgorithmImpl
 from .low_precision_decentralized import LowPrecisionDecentralizedAlgorithm, LowPrecisionDecentralizedAlgorithmImpl
 from .q_adam import QAdamAlgorithm, QAdamAlgorithmImpl, QAdamOptimizer
@@ -28,6 +29,8 @@ __all__ = [
     "ByteGradAlgorithm",
     "ByteGradAlgorithmImpl",
     "DecentralizedAlgorithm",
+    "DiLoCoAlgorithm",
+    "DiLoCoAlgorithmImpl",
     "DecentralizedAlgorithmImpl",
     "GradientAllReduceAlgorithm",
     "GradientAllReduceAlgorithmImpl",

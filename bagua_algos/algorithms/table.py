@@ -204,6 +204,11 @@ ALGORITHM_TABLE: tuple[AlgorithmConfig, ...] = (
     AlgorithmConfig("low_precision_decentralized", "low_precision_decentralized", {"hierarchical": False},
                     replicas="drift", tolerance=1e-3),
     AlgorithmConfig("qadam", "qadam", own_optimizer=_QADAM_OPTIMIZER, tolerance=1e-3),
+    # DiLoCo: inner steps apart, an outer Nesterov step every sync_every (short here, so
+    # short runs synchronise); the streaming form with two fragments and 8-bit deltas
+    AlgorithmConfig("diloco", "diloco", {"sync_every": 2}, replicas="drift"),
+    AlgorithmConfig("diloco_streaming_8bit", "diloco", {"sync_every": 4, "fragments": 2, "compression": "minmax8"},
+                    replicas="drift", tolerance=1e-3),
     AlgorithmConfig("async", "async", {"sync_interval_ms": 5}, replicas="drift", background_rounds=True,
                     exact_alone=True),
 )

@@ -478,12 +478,19 @@ def _batched(tensor: torch.Tensor) -> bool:
 
 
 def _each_matrix(tensor: torch.Tensor) -> List[torch.Tensor]:
-    """The 2-D matrices of a [..., x, y] tensor, as views, in order."""
+    """The 2-D matrices of a [..., x, y] tensor, as views, in order (one ``unbind`` of a
+    [-1, x, y] view where there is one; a dimension expanded from one, as the workers'
+    shared Q, repeats the same views)."""
     if tensor.dim() == 2:
         return [tensor]
     if tensor.dim() == 3:
         return list(tensor.unbind(0))
-    return [matrix for sub in tensor.unbind(0) for matrix in _each_matrix(sub)]
+    if tensor.stride(0) == 0:
+        return _each_matrix(tensor[0]) * tensor.shape[0]
+    try:
+        return list(tensor.view(-1, *tensor.shape[-2:]).unbind(0))
+    except RuntimeError:  # no such view (a strided batch): one level at a time
+        return [matrix for sub in tensor.unbind(0) for matrix in _each_matrix(sub)]
 
 
 def _each_batch(tensor: torch.Tensor) -> List[torch.Tensor]:

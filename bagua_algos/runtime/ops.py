@@ -303,7 +303,9 @@ class DecentralizedSynchronousOp:
       Metropolis–Hastings matrix;
 
     and with ``hierarchical`` the leader's result is broadcast within the node.
-    ``copy_back_peer_weight(bucket)`` writes peer_weight into the bucket.
+    ``copy_back_peer_weight(bucket)`` writes peer_weight into the bucket. On the
+    one-process engine (a stacked group) the gossip itself runs at copy_back, in place
+    on every worker's weights (see ``__call__``).
     """
 
     def __init__(self, bucket, peer_weight, hierarchical: bool, peer_selection_mode: str, group, topology=None):
@@ -360,17 +362,31 @@ class DecentralizedSynchronousOp:
         if self.local_only:
             self._state["decentralized_exchanges"] += 1
             return
+        if self.stacked:
+            # The one-process engine runs forward and backward between this op and
+            # copy_back_peer_weight on one thread, with the weights unchanged: there is no
+            # communication to overlap, so the gossip of x^t runs at copy_back, in place on
+            # the weights (the two copies through peer_weight saved; it is not filled).
+            self._deferred = self.step
+            self._state["decentralized_exchanges"] += 1
+            return
         x = _effective(self.peer_weight)
         x.copy_(bucket.flat_view())
-        within_nodes(x, self._gossip, comm.intra_node_group() if self.hierarchical else None, self.is_leader)
+        within_nodes(x, lambda x: self._gossip(x, self.step), self._intra_if_hierarchical(), self.is_leader)
         self._state["decentralized_exchanges"] += 1
+
+    _deferred = None  # the engine: the exchange count of the gossip copy_back runs, if one is due
+
+    def _intra_if_hierarchical(self):
+        return comm.intra_node_group() if self.hierarchical else None
 
     @property
     def step(self) -> int:
         """Executions so far (the shift_one schedule)."""
         return self._state["decentralized_exchanges"]
 
-    def _gossip(self, x: torch.Tensor) -> None:
+    def _gossip(self, x: torch.Tensor, step: int) -> None:
+        """x ← the gossip of x at exchange ``step`` (shift_one's pairing), in place."""
         if len(self.peer_ranks) == 1:
             return  # one gossiping member (one node): the weights are the result
         if self.stacked and self.topology is not None:
@@ -386,8 +402,8 @@ class DecentralizedSynchronousOp:
                 x.add_(x_j, alpha=self.weights[j])
         elif self.peer_selection_mode == "shift_one":
             size = len(self.peer_ranks)
-            peer = (torch.tensor([self.peer_ranks[shift_one_peer(i, size, self.step)] for i in range(size)])
-                    if self.stacked else self.peer_ranks[shift_one_peer(self.my_index, size, self.step)])
+            peer = (torch.tensor([self.peer_ranks[shift_one_peer(i, size, step)] for i in range(size)])
+                    if self.stacked else self.peer_ranks[shift_one_peer(self.my_index, size, step)])
             received = self._received["peer"]
             comm.neighbor_exchange([(peer, x)], [(peer, received)], group=self.group)
             x.add_(received).mul_(0.5)
@@ -408,6 +424,13 @@ class DecentralizedSynchronousOp:
     def copy_back_peer_weight(self, bucket) -> None:
         """The bucket's weights ← the gossip result (with one worker, they are it)."""
         if self.local_only:
+            return
+        if self.stacked:
+            step, self._deferred = self._deferred, None
+            if step is not None:
+                x = bucket.flat_view()
+                within_nodes(x, lambda x: self._gossip(x, step), self._intra_if_hierarchical(), self.is_leader)
+                bucket.write_flat(x)
             return
         bucket.write_flat(_effective(self.peer_weight))
 

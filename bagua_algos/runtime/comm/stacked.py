@@ -362,11 +362,15 @@ def _peer_rows(world: StackedGroup, name: str, peer) -> list:
 _plans: dict = {}
 
 
-def _exchange_plan(world: StackedGroup, send_peers: list, recv_peers: list) -> list:
-    """For each receive r: (rows, send index, source rows) triples, the rows of workers
-    that take send ``k``'s tensor from the source rows. Worker i's ``o``-th receive
-    from j takes j's ``o``-th send to i (posting order, as between processes)."""
-    key = (world.n, tuple(map(tuple, send_peers)), tuple(map(tuple, recv_peers)))
+def _exchange_plan(world: StackedGroup, send_peers: list, recv_peers: list, device) -> list:
+    """For each receive r: (send index k, RowGather) pairs, the gather that copies into
+    the receiving workers' rows the rows of send ``k``'s tensor their peers sent them.
+    Worker i's ``o``-th receive from j takes j's ``o``-th send to i (posting order, as
+    between processes). A topology's rows are a few arithmetic runs, so each gather is
+    a few strided copies, no temporary (:class:`~bagua_algos.runtime.rows.RowGather`)."""
+    from ..rows import RowGather  # (rows.py imports nothing of comm)
+
+    key = (world.n, tuple(map(tuple, send_peers)), tuple(map(tuple, recv_peers)), str(device))
     plan = _plans.get(key)
     if plan is not None:
         return plan
@@ -393,7 +397,13 @@ def _exchange_plan(world: StackedGroup, send_peers: list, recv_peers: list) -> l
             by_send.setdefault(queue[o], ([], []))
             by_send[queue[o]][0].append(i)
             by_send[queue[o]][1].append(j)
-        plan.append([(torch.tensor(rows), k, torch.tensor(srcs)) for k, (rows, srcs) in sorted(by_send.items())])
+        moves = []
+        for k, (rows, srcs) in sorted(by_send.items()):
+            index = [None] * n
+            for row, src in zip(rows, srcs):
+                index[row] = src
+            moves.append((k, RowGather(index, device)))
+        plan.append(moves)
     _plans[key] = plan
     return plan
 
@@ -408,10 +418,10 @@ def start_neighbor_exchange(world, sends, recvs):
     _count(sum(_per_worker_bytes(world, t) * sum(1 for p in peers if p >= 0) // world.n
                for peers, (_, t) in zip(send_peers, send_items)))
     with torch.no_grad():
-        for target, moves in zip(targets, _exchange_plan(world, send_peers, recv_peers)):
-            for rows, k, srcs in moves:
-                rows, srcs = rows.to(target.device), srcs.to(target.device)
-                target.index_copy_(0, rows, sources[k].index_select(0, srcs))
+        for target, moves in zip(targets, _exchange_plan(world, send_peers, recv_peers, targets[0].device
+                                                         if targets else "cpu")):
+            for k, gather in moves:
+                gather.copy_(target, sources[k])
     return CommHandle()
 
 

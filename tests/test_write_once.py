@@ -62,3 +62,26 @@ def test_the_sweep_trains_an_algorithm_named_by_its_file(tmp_path, engine):
     assert {row["config"] for row in rows} == set(configs.split(";"))
     for row in rows:
         assert row["final_mean_worker_accuracy"] > 0.3, row  # trained (chance: 0.1)
+
+
+def test_an_op_that_calls_torch_distributed_itself_is_refused_by_name():
+    """The engine answers comm's calls for its workers; an op that calls torch.distributed
+    directly (no process group exists in the engine's process) is refused with the way
+    out at the first step."""
+    import torch.distributed as dist
+
+    from bagua_algos.engine import Engine, EngineRefusal
+    from bagua_algos.runtime.algorithm import Algorithm, AlgorithmImpl
+
+    class DirectImpl(AlgorithmImpl):
+        def init_operations(self, bagua_ddp, bucket):
+            bucket.clear_ops()
+            bucket.append_python_op(lambda name: dist.all_reduce(bucket.flat_view()))
+
+    class Direct(Algorithm):
+        def reify(self, process_group):
+            return DirectImpl(process_group)
+
+    engine = Engine(torch.nn.Linear(3, 2), 2, Direct(), lambda params: torch.optim.SGD(params, lr=0.1))
+    with pytest.raises(EngineRefusal, match=r"calls torch.distributed itself.*--engine processes"):
+        engine.step(torch.randn(2, 4, 3), torch.randint(0, 2, (2, 4)), torch.nn.functional.cross_entropy)

@@ -65,6 +65,13 @@ def relay_messages(x: torch.Tensor, received: torch.Tensor, out: torch.Tensor) -
     overlapping ``out``). Each message adds its terms in the order x, then the other
     slots in order, so it rounds exactly as summing it term by term. Returns ``out``."""
     slots = received.shape[1]
+    if slots == 3:  # a binary tree's inner node: (x + r0) serves two messages, 5 adds for 6
+        r0, r1, r2 = received.unbind(1)
+        torch.add(x, r1, out=out[:, 0]).add_(r2)  # (x + r1) + r2
+        torch.add(x, r0, out=out[:, 1])
+        torch.add(out[:, 1], r1, out=out[:, 2])  # (x + r0) + r1
+        out[:, 1].add_(r2)  # (x + r0) + r2
+        return out
     for s in range(slots):
         others = [t for t in range(slots) if t != s]
         if not others:

@@ -74,7 +74,22 @@ class _StackedBackend(BaguaBackend):
         self._events[k] = []
         self._next = (k + 1) % len(self._buckets)
         bucket._before_ops()
-        bucket._run_ops()
+        try:
+            bucket._run_ops()
+        except (RuntimeError, ValueError) as err:
+            if not _is_transport_call(err):
+                raise
+            raise EngineRefusal(
+                f"an op of bucket {bucket.name!r} calls torch.distributed itself ({err}); the one-process engine "
+                "runs ops that communicate through bagua_algos' comm (Bagua's names), whose calls it answers for "
+                "its workers: call comm instead, or run the algorithm as processes (--engine processes)") from err
+
+
+def _is_transport_call(err: BaseException) -> bool:
+    """Whether ``err`` is torch.distributed refusing a call for want of a process group
+    (the engine's process has none: only ``comm`` is answered for its workers)."""
+    text = str(err)
+    return "process group has not been initialized" in text or "init_process_group" in text
 
 
 class StackedRuntime:

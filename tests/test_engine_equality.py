@@ -53,8 +53,12 @@ addresses) carry on through the warm-started Q and the error buffers, and the
 orthogonalization spreads them over every entry of the update. Measured after 20 steps
 (largest difference over the largest weight): 2.2e-6 (n = 4, error_in_grad), 3.9e-6
 (n = 8, rank 1) and 2.8e-6 (n = 8, adaptive, rank 1); 1e-7 to 6e-7 in the other cases.
-test_powersgd_form_is_each_ranks_step holds the form to the per-rank step with the same
-means, worker by worker."""
+test_powersgd_step_of_w_workers_is_each_ranks_step holds the step function on W stacked
+workers to each rank's step with the same means, worker by worker.
+
+Both sides run the same algorithm code (the engine is a backend of the runtime: the
+algorithm's own hooks and ops on stacked buckets); "the two forms" below are its two
+backends, the gloo processes and the engine's stacked rows."""
 
 from __future__ import annotations
 

@@ -11,15 +11,15 @@ Sections:
   forward, backward and SGD step), images/s; blocks of steps interleaved over rounds, the
   ratio is the median of the rounds' (goal ≥ 0.5). Models: ``mlp`` and ``cnn`` on digits'
   8×8 and MNIST's 28×28 images; ``vgg11`` and ``resnet20`` at 3×32×32 (meant for a GPU).
-- ``comm``: at ``--workers`` (64), for each model-averaging form (allreduce average, D-PSGD
+- ``comm``: at ``--workers`` (64), for each model-averaging algorithm (allreduce average, D-PSGD
   on a ring, relay on a chain and a double binary tree), the share of a training step
-  spent in the form's hooks (goal < 10 % for the MLP), and each hook's milliseconds per
+  spent in the algorithm's hooks and bucket ops (goal < 10 % for the MLP), and each hook's milliseconds per
   step; also for PowerSGD at rank 2 (the sweep's setting), whose hooks compress as well
   as average (no goal). The step and its hooks are timed in the same blocks of steps
   (``--rounds`` blocks of ``--steps``, after ``--warmup`` steps); the median block's.
-  On the CPU each form runs twice, its blocks interleaved: with the torch passes and
+  On the CPU each algorithm runs twice, its blocks interleaved: with the torch passes and
   with cuda_ext's compiled ones (``--passes``; loaded here, built on first use), and a
-  line per form gives the ratio of their hooks' times.
+  line per algorithm gives the ratio of their hooks' times.
 - ``sweep``: the README's default sweep shortened to one α and a few epochs, run as
   processes (``--engine processes``), on the engine one run at a time (``--jobs 1``)
   and on the engine as it runs by default (runs in parallel, one a core), wall clock
@@ -146,7 +146,7 @@ HOOKS = StackedRuntime.PHASES  # the algorithm's hooks and bucket ops: its whole
 
 
 def _passes_variants(args, device) -> dict:
-    """The ways the forms' passes run in this comparison: ``torch`` (the row gathers, one
+    """The ways the engine's passes run in this comparison: ``torch`` (the row gathers, one
     pass a term) and, on the CPU, ``compiled`` (cuda_ext's engine passes, loaded here)."""
     if device.type != "cpu" and args.passes == "compiled":
         raise SystemExit(f"argument --passes: the compiled passes run on the CPU only, not on {device.type} "
@@ -277,7 +277,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="comm: untimed steps before the first block (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--passes", default="both", choices=("both", "torch", "compiled"),
-                   help="comm on the CPU: time the forms' torch passes, cuda_ext's compiled ones (built on first "
+                   help="comm on the CPU: time the torch passes, cuda_ext's compiled ones (built on first "
                         "use, about a minute), or both interleaved (default; torch only where it cannot be built)")
     p.add_argument("--sweep-epochs", type=int, default=5, help="epochs of the shortened sweep (default 5)")
     p.add_argument("--sweep-rounds", type=int, default=1, help="rounds of the sweep's three commands (default 1)")

@@ -572,7 +572,7 @@ THESIS_DIFFERS = ("proxy: MNIST subset and a 2-layer MLP, 8 workers x 32, 20 epo
 
 def seed000_fig4_1(ctx):
     """Step time of rank-r PowerSGD with Gram-Schmidt and with QR, one worker; and the
-    compression alone (the form's after-backward step), where the two differ."""
+    compression alone (the buckets' ops on the last gradients), where the two differ."""
     from bagua_algos.engine import Engine
     from bagua_algos.runtime.algorithm import Algorithm
 

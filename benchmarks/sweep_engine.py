@@ -22,7 +22,7 @@ from bagua_algos.runtime.bucket import DEFAULT_BUCKET_SIZE
 # build's libraries): measured at about 640 MB on the 2-core machine (docs/results.md).
 PROCESS_BYTES = 640 * 2**20
 # Copies of the parameters the engine keeps per worker: parameters, gradients, the
-# optimizer's momentum, the form's state (messages, error buffers, replicas) and room
+# optimizer's momentum, the algorithm's state (messages, error buffers, replicas) and room
 # for the step's temporaries.
 PARAM_COPIES = 8
 # Live activations per sample of a training step, as a multiple of what the forward's

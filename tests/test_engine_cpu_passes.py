@@ -1,7 +1,7 @@
 """cuda_ext's compiled gossip mix for the one-process engine (csrc/engine_cpu.cpp).
 
-The decentralized form takes it wherever cuda_ext's CPU module is loaded, in place of
-its torch passes (bagua_algos/engine/forms/decentralized.py). It promises the same
+The decentralized op takes it on the engine's stacked rows wherever cuda_ext's CPU module
+is loaded, in place of its torch passes (bagua_algos/runtime/gossip.py). It promises the same
 terms in the same order, rounded alike: on a CPU with AVX2 + FMA (where torch's
 ``addcmul_`` is one fused multiply-add) the parameters after training equal the torch
 passes' bit for bit; elsewhere they agree to float rounding. The formula itself is

@@ -61,7 +61,7 @@ def refusal(algorithm) -> str | None:
     """Why the engine cannot run ``algorithm`` (an ``Algorithm``), or None. An
     algorithm class says so itself with ``ENGINE_REFUSAL`` (a reason), as the
     asynchronous model average does."""
-    return getattr(algorithm, "ENGINE_REFUSAL", None) or getattr(type(algorithm), "ENGINE_REFUSAL", None)
+    return getattr(algorithm, "ENGINE_REFUSAL", None)
 
 
 class _StackedBackend(BaguaBackend):
@@ -144,8 +144,7 @@ class StackedRuntime:
         for_parameters = getattr(self.algorithm, "for_parameters", None)
         if for_parameters is not None:  # an algorithm that owns its optimizer (QAdam): its own, on the views
             algorithm, optimizer = for_parameters(self.module, params, optimizer_factory)
-            with comm.stacked_world(self.group):
-                self.bagua_algorithm = algorithm.reify(self.group)
+            self.bagua_algorithm = algorithm.reify(self.group)  # (in __init__'s stacked world)
         else:
             optimizer = optimizer_factory(params)
         self.bagua_optimizers = [optimizer]

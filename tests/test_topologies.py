@@ -9,6 +9,7 @@ from topologies import (
     ChainTopology,
     DoubleBinaryTreeTopology,
     ExponentialTopology,
+    OnePeerExponentialTopology,
     FullyConnectedTopology,
     MirroredTopology,
     RingTopology,
@@ -24,6 +25,7 @@ NAMES = [
     "ring",
     "fully_connected",
     "exponential",
+    "one_peer_exponential",
 ]
 CLASSES = [
     ChainTopology,
@@ -32,6 +34,7 @@ CLASSES = [
     RingTopology,
     FullyConnectedTopology,
     ExponentialTopology,
+    OnePeerExponentialTopology,
 ]
 SIZES = range(1, 34)
 
@@ -333,3 +336,24 @@ def test_package_has_no_torch_or_numpy_import():
     for path in root.glob("*.py"):
         source = path.read_text()
         assert "import torch" not in source and "import numpy" not in source, path
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_one_peer_exponential_pairs_are_shifts_covering_the_exponential_graph(n):
+    """Each exchange sends every rank's message to exactly one rank and receives exactly
+    one (a cyclic shift, so the mix (I + P_t)/2 is doubly stochastic and push-sum's
+    weights stay 1); in_peer inverts out_peer; a period's peers are the exponential
+    graph's neighbours."""
+    topo = OnePeerExponentialTopology(n)
+    assert topo.time_varying and not ExponentialTopology(n).time_varying
+    union = {r: set() for r in range(n)}
+    for step in range(2 * max(topo.period, 1)):
+        outs = [topo.out_peer(r, step) for r in range(n)]
+        assert sorted(outs) == list(range(n))
+        for r in range(n):
+            assert topo.in_peer(topo.out_peer(r, step), step) == r
+            if outs[r] != r:
+                union[r] |= {outs[r], topo.in_peer(r, step)}
+    assert all(union[r] == set(topo.neighbors(r)) for r in range(n))
+    with pytest.raises(ValueError, match="step must be an int >= 0"):
+        topo.out_peer(0, -1)

@@ -1,7 +1,7 @@
 """Communication topologies for decentralized training (pure Python)."""
 
 from .base import Topology
-from .gossip import ExponentialTopology, FullyConnectedTopology, RingTopology
+from .gossip import ExponentialTopology, FullyConnectedTopology, OnePeerExponentialTopology, RingTopology
 from .registry import available_topologies, get_topology
 from .trees import (
     BinaryTreeTopology,
@@ -19,6 +19,7 @@ __all__ = [
     "RingTopology",
     "FullyConnectedTopology",
     "ExponentialTopology",
+    "OnePeerExponentialTopology",
     "available_topologies",
     "get_topology",
 ]

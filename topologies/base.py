@@ -30,6 +30,9 @@ class Topology:
     """
 
     name = "topology"
+    # A time-varying topology (OnePeerExponentialTopology) names each exchange's peers
+    # (out_peer / in_peer); its neighbours are their union over a period.
+    time_varying = False
 
     def __init__(self, world_size):
         self.world_size = check_world_size(world_size)

@@ -43,3 +43,40 @@ class ExponentialTopology(Topology):
             peers.append((rank - hop) % n)
             hop *= 2
         return peers
+
+
+class OnePeerExponentialTopology(ExponentialTopology):
+    """The time-varying exponential graph of Stochastic Gradient Push (Assran et al.
+    2019): at exchange ``t`` (counted from 0) rank ``r`` sends to ``(r + 2^k) mod n`` and
+    receives from ``(r - 2^k) mod n``, ``k = t mod m``, ``m`` the number of hops
+    ``2^k < n`` (``period``). One peer out and one in per exchange.
+
+    Its neighbours (the union over a period) are the exponential graph's. Each exchange's
+    pairing is a cyclic shift, a permutation of the ranks, so the mixing matrix
+    ``(I + P_t) / 2`` of an exchange is doubly stochastic on any ``n``.
+    """
+
+    name = "one_peer_exponential"
+    time_varying = True
+
+    @property
+    def period(self):
+        """Number of distinct hops ``2^k < n`` (0 for one rank): the schedule's period."""
+        hops, hop = 0, 1
+        while hop < self.world_size:
+            hops, hop = hops + 1, hop * 2
+        return hops
+
+    def hop(self, step):
+        """The shift ``2^(step mod period)`` of exchange ``step`` (0 for one rank)."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        return 2 ** (step % self.period) if self.period else 0
+
+    def out_peer(self, rank, step):
+        """The rank ``rank`` sends to at exchange ``step``."""
+        return (self._check_rank(rank) + self.hop(step)) % self.world_size
+
+    def in_peer(self, rank, step):
+        """The rank ``rank`` receives from at exchange ``step``."""
+        return (self._check_rank(rank) - self.hop(step)) % self.world_size

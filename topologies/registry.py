@@ -1,12 +1,13 @@
 """Name -> topology class registry and factory."""
 
-from .gossip import ExponentialTopology, FullyConnectedTopology, RingTopology
+from .gossip import ExponentialTopology, FullyConnectedTopology, OnePeerExponentialTopology, RingTopology
 from .trees import BinaryTreeTopology, ChainTopology, DoubleBinaryTreeTopology
 
 # Families that are trees on every number of ranks (a double binary tree: each of its
 # two trees), the ones a tree algorithm such as RelaySGD accepts by name.
 _TREES = (ChainTopology, BinaryTreeTopology, DoubleBinaryTreeTopology)
-_REGISTRY = {cls.name: cls for cls in (*_TREES, RingTopology, FullyConnectedTopology, ExponentialTopology)}
+_REGISTRY = {cls.name: cls for cls in (*_TREES, RingTopology, FullyConnectedTopology, ExponentialTopology,
+                                      OnePeerExponentialTopology)}
 
 
 def available_topologies(trees_only=False):

@@ -4,9 +4,11 @@ from .allreduce_average import AllreduceAverageAlgorithm, AllreduceAverageAlgori
 from .async_model_average import AsyncModelAverageAlgorithm, AsyncModelAverageAlgorithmImpl
 from .atomo import AtomoAlgorithm
 from .bytegrad import ByteGradAlgorithm, ByteGradAlgorithmImpl
+from .d2 import D2Algorithm, D2AlgorithmImpl
 from .decentralized import DecentralizedAlgorithm, DecentralizedAlgorithmImpl, shift_one_peer
 from .diloco import DiLoCoAlgorithm, DiLoCoAlgorithmImpl
 from .gradient_allreduce import GradientAllReduceAlgorithm, GradientAllReduceAlgorithmImpl
+from .gradient_tracking import GradientTrackingAlgorithm, GradientTrackingAlgorithmImpl
 from .low_precision_decentralized import LowPrecisionDecentralizedAlgorithm, LowPrecisionDecentralizedAlgorithmImpl
 from .q_adam import QAdamAlgorithm, QAdamAlgorithmImpl, QAdamOptimizer
 from .powersgd import PowerSGDAlgorithm, PowerSGDAlgorithmImpl
@@ -14,6 +16,8 @@ from .random_block import RandomBlockAlgorithm
 from .random_k import RandomKAlgorithm
 from .random_sketch import RandomSketchAlgorithm, RandomSketchAlgorithmImpl
 from .relay import RelayAlgorithm, RelayAlgorithmImpl
+from .relaysum_grad import RelaySumGradAlgorithm, RelaySumGradAlgorithmImpl
+from .sgp import SGPAlgorithm, SGPAlgorithmImpl
 from .sign_norm import SignNormAlgorithm
 from .signum import SignumAlgorithm
 from .terngrad import TernGradAlgorithm, TernGradAlgorithmImpl
@@ -28,12 +32,16 @@ __all__ = [
     "AtomoAlgorithm",
     "ByteGradAlgorithm",
     "ByteGradAlgorithmImpl",
+    "D2Algorithm",
+    "D2AlgorithmImpl",
     "DecentralizedAlgorithm",
     "DiLoCoAlgorithm",
     "DiLoCoAlgorithmImpl",
     "DecentralizedAlgorithmImpl",
     "GradientAllReduceAlgorithm",
     "GradientAllReduceAlgorithmImpl",
+    "GradientTrackingAlgorithm",
+    "GradientTrackingAlgorithmImpl",
     "LowPrecisionDecentralizedAlgorithm",
     "LowPrecisionDecentralizedAlgorithmImpl",
     "QAdamAlgorithm",
@@ -47,6 +55,10 @@ __all__ = [
     "RandomSketchAlgorithmImpl",
     "RelayAlgorithm",
     "RelayAlgorithmImpl",
+    "RelaySumGradAlgorithm",
+    "RelaySumGradAlgorithmImpl",
+    "SGPAlgorithm",
+    "SGPAlgorithmImpl",
     "SignNormAlgorithm",
     "SignumAlgorithm",
     "TernGradAlgorithm",

@@ -19,6 +19,10 @@ Peer selection (W):
 - ``topology=``: the topology's Metropolis–Hastings matrix, over a neighbour exchange
   between workers.
 
+With ``quasi_global_momentum=True`` (Lin et al. 2021) the step is instead the paper's:
+the optimizer's SGD-momentum step, then the gossip over the topology, and the momentum
+buffer rebuilt from the model's change (:mod:`.quasi_global_momentum`).
+
 With ``hierarchical=True`` (Bagua's default without a topology) the weights are first
 averaged within each node, the node leaders (local rank 0) gossip among nodes, and the
 result is broadcast within the node; on one node that is the exact average.
@@ -123,15 +127,27 @@ class DecentralizedAlgorithm(Algorithm):
         communication_interval: communicate at steps 1, k+1, 2k+1, … (Bagua's schedule).
         topology: gossip over this topology (a name from ``topologies`` or a Topology)
             with Metropolis–Hastings weights, instead of Bagua's peer selection.
+        quasi_global_momentum: D-PSGD with quasi-global momentum (QG-DSGDm, Lin et al.
+            2021): gossip after the optimizer's step, over ``topology`` (required; the
+            time-varying ``"one_peer_exponential"`` too), and the optimizer's momentum
+            buffer (torch.optim.SGD, momentum β > 0) replaced every step by
+            β m̂ + (1 − β)(x_t − x_{t+1})/η. ``communication_interval`` must stay 1.
 
     The exchange count (the shift_one schedule) lives in the bucket's state, so
     ``bagua_state_dict()`` saves it.
     """
 
     def __init__(self, hierarchical=_UNSET, peer_selection_mode: str = "all",
-                 communication_interval: int = 1, topology=None):
+                 communication_interval: int = 1, topology=None, quasi_global_momentum: bool = False):
         if hierarchical is not _UNSET:
             check_flag("hierarchical", hierarchical)
+        self.quasi_global_momentum = check_flag("quasi_global_momentum", quasi_global_momentum)
+        if quasi_global_momentum and (topology is None or communication_interval != 1):
+            raise ValueError(
+                "quasi_global_momentum=True gossips every step over a topology: pass topology= (e.g. 'ring' or "
+                f"'one_peer_exponential') and communication_interval=1, got topology={topology!r}, "
+                f"communication_interval={communication_interval!r}"
+            )
         peer_selection_mode = check_choice("peer_selection_mode", peer_selection_mode, PEER_SELECTION_MODES)
         if topology is not None:
             check_topology_arg(topology)
@@ -148,6 +164,10 @@ class DecentralizedAlgorithm(Algorithm):
         self.topology = topology
 
     def reify(self, process_group) -> DecentralizedAlgorithmImpl:
+        if self.quasi_global_momentum:
+            from .quasi_global_momentum import QuasiGlobalMomentumImpl
+
+            return QuasiGlobalMomentumImpl(process_group, self.topology)
         return DecentralizedAlgorithmImpl(
             process_group, self.hierarchical, self.peer_selection_mode, self.communication_interval, self.topology
         )

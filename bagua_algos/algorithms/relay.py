@@ -87,7 +87,8 @@ def relay_average(x: torch.Tensor, received: torch.Tensor, n_bar: torch.Tensor, 
                   x0: torch.Tensor | None) -> None:
     """x ← the relay average of x (= x½, ``[W, L]``) and the ``received`` messages
     (``[W, D, L]``, lost and absent ones zero), in place: (x + Σ m) / n̄ in mode "count",
-    (x + Σ m + (n − n̄)·x0) / n in mode "world_size". ``n_bar``: each worker's count,
+    (x + Σ m + (n − n̄)·x0) / n in mode "world_size" (``x0`` None: zero, as for relayed
+    updates). ``n_bar``: each worker's count,
     ``[W]`` float64."""
     for s in range(received.shape[1]):
         x.add_(received[:, s])
@@ -95,7 +96,7 @@ def relay_average(x: torch.Tensor, received: torch.Tensor, n_bar: torch.Tensor, 
         x.div_(n_bar.to(device=x.device, dtype=x.dtype).unsqueeze(1))
         return
     missing = world_size - n_bar
-    if bool((missing != 0).any()):
+    if x0 is not None and bool((missing != 0).any()):
         x.add_(x0 * missing.to(device=x.device, dtype=x.dtype).unsqueeze(1))
     x.div_(world_size)
 
@@ -162,6 +163,7 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
     }
     RESET_STATE_KEYS = frozenset({"last_counts", "received_counts", "generator"})
     RESET_BUCKET_KEYS = frozenset({"relay_received"})
+    relays_models = True  # what travels is x½; RelaySum/Grad relays updates (a missing one is zero)
 
     def __init__(self, process_group, topology, mode, drop_rate, seed):
         super().__init__(process_group)
@@ -201,7 +203,7 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
             received[k] = torch.zeros(shape, dtype=bucket.dtype, device=bucket.device)
             self._spare[(bucket.name, k)] = torch.zeros(shape, dtype=bucket.dtype, device=bucket.device)
             self._messages[(bucket.name, k)] = torch.empty(shape, dtype=bucket.dtype, device=bucket.device)
-        if self.mode == "world_size":
+        if self.mode == "world_size" and self.relays_models:
             # with_bagua broadcast the parameters before calling us: this is the common x0.
             bucket.state["relay_x0"] = bucket.flattened_tensor()
 
@@ -264,7 +266,7 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
                 # the arrived messages are the state now; last step's buffer takes the next ones
                 self._spare[key], bucket.state["relay_received"][k] = bucket.state["relay_received"][k], arrived
                 x0 = None
-                if self.mode == "world_size":
+                if "relay_x0" in bucket.state:
                     x0 = self._rows_of(bucket.state["relay_x0"], start, end)
                 relay_average(self._rows_of(flat, start, end), arrived, n_bars[k], self.mode, self.world_size, x0)
             bucket.write_flat(flat)

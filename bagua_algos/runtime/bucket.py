@@ -249,6 +249,12 @@ class BaguaBucket:
                 else:
                     effective.copy_(chunk)
 
+    def tensor_views(self, flat: torch.Tensor):
+        """``(tensor, view)`` for each Bagua tensor of the bucket (the padding excluded):
+        the tensor's place in ``flat`` (``[..., numel]``, e.g. a state buffer laid out
+        as the bucket), shaped ``[..., *shape]``."""
+        return zip(self.tensors, self._chunks(flat))
+
     def _chunks(self, flat: torch.Tensor):
         """Each effective tensor's place in ``flat`` (``[..., numel]``), as a view."""
         offset = 0

@@ -1,4 +1,8 @@
-"""The gossip mix of stacked workers: x_i ← w_ii x_i + Σ_k w_{i,j_k} x_{j_k}, every
+"""Gossip over a topology: :class:`NeighbourGossip` for the algorithms that gossip after
+the optimizer step, written once for the workers a process runs, and :class:`NeighbourMix`,
+the engine's compiled form of Bagua's decentralized op.
+
+The gossip mix of stacked workers: x_i ← w_ii x_i + Σ_k w_{i,j_k} x_{j_k}, every
 worker's row at once, the neighbours j_k in the topology's order and the weights its
 Metropolis–Hastings row (:meth:`Topology.gossip_weights`).
 
@@ -17,9 +21,104 @@ import functools
 
 import torch
 
+from . import comm
 from .rows import RowGather, engine_cpu_passes, run_calls
 
-__all__ = ["NeighbourMix"]
+__all__ = ["NeighbourGossip", "NeighbourMix"]
+
+
+class NeighbourGossip:
+    """x ← W_t x in place for the workers this process runs: ``x`` is ``[W, L]``, a row
+    per worker (W = 1 in a job; the n stacked workers on the one-process engine), and the
+    exchange is ``comm``'s neighbour exchange (between processes, or the stacked
+    communicator's row gather), so one coding serves both.
+
+    - a fixed topology: W its Metropolis–Hastings matrix, each row
+      x_i ← w_ii x_i + Σ_k w_{i,j_k} x_{j_k}, the neighbours j_k in the topology's order;
+    - a time-varying one (:class:`~topologies.OnePeerExponentialTopology`): at exchange t
+      worker i sends x_i to ``out_peer(i, t)`` and x_i ← (x_i + x_{in_peer(i, t)}) / 2.
+
+    ``rows`` are the group ranks of the W workers (:attr:`AlgorithmImpl.row_ranks`),
+    ``global_rank`` maps a group rank to the rank ``comm`` takes; on the engine a peer is
+    every worker's peer at once, a ``[n]`` long tensor (−1: none). Receive buffers are
+    ``[W, D, L]`` zeros, a slot per neighbour; a worker with fewer than D neighbours
+    keeps zeros in its last slots, which its zero weights turn into exact zero terms.
+
+    Example::
+
+        >>> import torch, topologies
+        >>> from bagua_algos.runtime.comm.stacked import StackedGroup, stacked_world
+        >>> world = StackedGroup(4)
+        >>> gossip = NeighbourGossip(topologies.RingTopology(4), [0, 1, 2, 3], [0, 1, 2, 3], world)
+        >>> x = torch.arange(4.0).unsqueeze(1)
+        >>> with stacked_world(world):
+        ...     gossip.mix_(x, step=0)
+        >>> [round(v, 4) for v in x.squeeze(1).tolist()]   # (x_{i-1} + x_i + x_{i+1}) / 3
+        [1.3333, 1.0, 2.0, 1.6667]
+    """
+
+    def __init__(self, topology, rows: list, global_rank: list, group):
+        self.topology = topology
+        self.group = group
+        self.stacked = comm.is_stacked(group)
+        self.rows = list(rows)
+        self._global_rank = list(global_rank)
+        self._received: dict = {}
+        if topology.time_varying:
+            self.slots = 1 if topology.world_size > 1 else 0
+            return
+        neighbours = [list(topology.neighbors(i)) for i in self.rows]
+        weights = [topology.gossip_weights(i) for i in self.rows]
+        self.slots = max((len(nb) for nb in neighbours), default=0)
+        self._neighbours = torch.tensor([nb + [-1] * (self.slots - len(nb)) for nb in neighbours],
+                                        dtype=torch.long).reshape(len(self.rows), self.slots)
+        # float64, rounded once to the tensor's dtype where it is used
+        self._self_weight = torch.tensor([[w[i]] for i, w in zip(self.rows, weights)], dtype=torch.float64)
+        self._weight = torch.tensor([[w[j] for j in nb] + [0.0] * (self.slots - len(nb))
+                                     for nb, w in zip(neighbours, weights)],
+                                    dtype=torch.float64).reshape(len(self.rows), self.slots)
+        self._as: dict = {}
+        self._peers = [self._peer(self._neighbours[:, s].tolist()) for s in range(self.slots)]
+
+    def _peer(self, group_ranks: list):
+        """A peer as ``comm`` takes it: a global rank in a job, a ``[n]`` tensor on the engine."""
+        if self.stacked:
+            return torch.tensor(group_ranks, dtype=torch.long)
+        return self._global_rank[group_ranks[0]]
+
+    def _buffer(self, x: torch.Tensor) -> torch.Tensor:
+        key = (x.shape, x.dtype, x.device)
+        if key not in self._received:
+            self._received = {key: torch.zeros(x.shape[0], self.slots, x.shape[1], dtype=x.dtype, device=x.device)}
+        return self._received[key]
+
+    def _weights(self, x: torch.Tensor):
+        key = (x.dtype, x.device)
+        if key not in self._as:
+            self._as[key] = (self._self_weight.to(x.device, x.dtype), self._weight.to(x.device, x.dtype))
+        return self._as[key]
+
+    def mix_(self, x: torch.Tensor, step: int) -> None:
+        """x ← W_t x in place (``step``: the exchange's index, for a time-varying topology)."""
+        if self.slots == 0:
+            return  # one worker: W = 1
+        received = self._buffer(x)
+        if self.topology.time_varying:
+            t = self.topology
+            out = self._peer([t.out_peer(i, step) for i in self.rows])
+            into = self._peer([t.in_peer(i, step) for i in self.rows])
+            comm.neighbor_exchange([(out, x)], [(into, received[:, 0])], group=self.group)
+            x.add_(received[:, 0]).mul_(0.5)
+            return
+        sends, recvs = [], []
+        for s, peer in enumerate(self._peers):
+            sends.append((peer, x))
+            recvs.append((peer, received[:, s]))
+        comm.neighbor_exchange(sends, recvs, group=self.group)
+        self_weight, weight = self._weights(x)
+        x.mul_(self_weight)
+        for s in range(self.slots):
+            x.addcmul_(received[:, s], weight[:, s:s + 1])
 
 
 class NeighbourMix:

@@ -33,13 +33,15 @@ def _not_a_tree(topology) -> str:
 
 
 def resolve_topology(topology, world_size: int, require_tree: bool = False,
-                     members: str = "the process group") -> Topology:
+                     members: str = "the process group", time_varying: bool = False) -> Topology:
     """``topology`` (a name or a Topology) over ``world_size`` ranks.
 
     A Topology instance must have exactly ``world_size`` ranks: the size of ``members``
     (the process group, or the node leaders for a gossip between nodes). With
     ``require_tree`` it is a tree: :func:`check_topology_arg` admits only tree names and
-    tree instances.
+    tree instances. A time-varying topology (a new pairing every exchange) is refused
+    unless the caller gossips along it (``time_varying=True``): a fixed mixing matrix
+    would only see the union of its pairings.
     """
     check_topology_arg(topology, require_tree)
     if isinstance(topology, str):
@@ -48,6 +50,13 @@ def resolve_topology(topology, world_size: int, require_tree: bool = False,
         raise ValueError(
             f"topology {topology!r} has {topology.world_size} ranks but {members} has "
             f"{world_size}; build it with world_size={world_size}"
+        )
+    if topology.time_varying and not time_varying:
+        raise ValueError(
+            f"topology {topology!r} changes its peers every exchange; this algorithm gossips with one fixed "
+            f"matrix: use a fixed topology ({', '.join(n for n in available_topologies() if n != topology.name)}), "
+            f"or an algorithm that follows the pairings (sgp, gradient_tracking, decentralized with "
+            f"quasi_global_momentum)"
         )
     if not topology.is_connected():
         raise ValueError(

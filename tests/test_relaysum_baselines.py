@@ -1,0 +1,329 @@
+"""The RelaySum paper's baselines (D², gradient tracking, D-PSGD with quasi-global
+momentum, RelaySum/Grad, Stochastic Gradient Push) against oracles written from each
+paper's update rule: n copies of a model in one process, the rule's vectors kept
+explicitly (Tang et al.'s x_{t−1} and g_{t−1}; Pu & Nedić's tracker y; Lin et al.'s m̂;
+the delayed sum of every worker's update at its tree distance; push-sum's numerators
+and weights), the ring's mixing matrix written out (1/3 on each worker and its two
+neighbours). Then the same impl as gloo processes and on the one-process engine,
+checkpoints, and the arguments and topologies each refuses."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import engine_cases
+from gloo_workers import run_workers
+
+N, STEPS, LR = 4, 12, 0.05
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+
+
+def _set(model, vector) -> None:
+    torch.nn.utils.vector_to_parameters(vector, model.parameters())
+
+
+def _batches(steps=STEPS):
+    """[N, BATCH] indices per step: each worker's share (as the engine draws them)."""
+    from bagua_algos.engine.data import WorkerShares
+
+    _, y = engine_cases.data()
+    shares = WorkerShares(y, N, engine_cases.ALPHA, engine_cases.SEED)
+    out, epoch = [], 0
+    while len(out) < steps:
+        out += list(shares.batches(epoch, engine_cases.BATCH))[:steps - len(out)]
+        epoch += 1
+    return out
+
+
+def _gradients(models, index) -> torch.Tensor:
+    """[N, d]: each copy's gradient on its own batch."""
+    x, y = engine_cases.data()
+    rows = []
+    for i, model in enumerate(models):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[index[i]]), y[index[i]]).backward()
+        rows.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    return torch.stack(rows)
+
+
+def _ring_matrix() -> torch.Tensor:
+    w = torch.zeros(N, N, dtype=torch.float64)
+    for i in range(N):
+        for j in (i - 1, i, i + 1):
+            w[i, j % N] = 1.0 / 3.0
+    return w
+
+
+def _mix(w, x):
+    return (w @ x.double()).float()
+
+
+def _oracle(rule, steps=STEPS):
+    """[N, d] after ``steps`` steps of plain SGD (lr LR) under ``rule``."""
+    models = [engine_cases.model() for _ in range(N)]
+    x = torch.stack([_flat(m) for m in models])
+    w = _ring_matrix()
+    state = {}
+    for t, index in enumerate(_batches(steps)):
+        for model, row in zip(models, x):
+            _set(model, row)
+        g = _gradients(models, index)
+        x = rule(t, x, g, w, state)
+    return x
+
+
+def _d2(t, x, g, w, state):
+    """Tang et al.: x_1 = W(x_0 − γ g_0); x_{t+1} = W(2x_t − x_{t−1} − γ g_t + γ g_{t−1})."""
+    if t == 0:
+        new = _mix(w, x - LR * g)
+    else:
+        new = _mix(w, 2 * x - state["x"] - LR * g + LR * state["g"])
+    state["x"], state["g"] = x, g
+    return new
+
+
+def _tracking(t, x, g, w, state):
+    """Pu & Nedić: x_{t+1} = W(x_t − α y_t), y_{t+1} = W y_t + g_{t+1} − g_t, y_0 = g_0."""
+    y = g if t == 0 else _mix(w, state["y"]) + g - state["g"]
+    state["y"], state["g"] = y, g
+    return _mix(w, x - LR * y)
+
+
+def _quasi_global(beta):
+    def rule(t, x, g, w, state):
+        """Lin et al. Alg. 1: m = β m̂ + g; x½ = x − η m; x' = W x½; m̂ ← β m̂ + (1 − β)(x − x')/η."""
+        m_hat = state.get("m_hat", torch.zeros_like(x))
+        half = x - LR * (beta * m_hat + g)
+        new = _mix(w, half)
+        state["m_hat"] = beta * m_hat + (1 - beta) * (x - new) / LR
+        return new
+
+    return rule
+
+
+def _chain_distance(i, j):
+    return abs(i - j)
+
+
+def _relaysum_grad(t, x, g, w, state):
+    """x_i^{t+1} = x_i^t + (1/n) Σ_j u_j^{t − τ_ij}, u = −γ g, τ_ij = max(d(i,j) − 1, 0)
+    on the chain (a neighbour's message of step t carries its update of step t, a worker
+    two links away its update of step t − 1, …), an update not yet arrived zero."""
+    history = state.setdefault("u", [])
+    history.append(-LR * g)
+    new = x.clone()
+    for i in range(N):
+        for j in range(N):
+            s = t - max(_chain_distance(i, j) - 1, 0)
+            if s >= 0:
+                new[i] += history[s][j] / N
+    return new
+
+
+def _push_sum(t, x, g, w, state):
+    """Assran et al.: x½ = x − γ g(z); keep half of (x½, w), push half to i + 2^k
+    (k = t mod log2 n); z = x / w. Here x is z, the parameters trained."""
+    weight = state.get("w", torch.ones(N, 1))
+    numerator = x * weight - LR * g
+    hop = 2 ** (t % 2)  # n = 4: hops 1, 2
+    src = [(i - hop) % N for i in range(N)]
+    numerator = 0.5 * numerator + 0.5 * numerator[src]
+    weight = 0.5 * weight + 0.5 * weight[src]
+    state["w"] = weight
+    return numerator / weight
+
+
+def _engine(name, kwargs, momentum=0.0, steps=STEPS):
+    from bagua_algos import Algorithm
+    from bagua_algos.engine import Engine
+
+    x, y = engine_cases.data()
+    net = engine_cases.model()
+    engine = Engine(net, N, Algorithm.init(name, **kwargs),
+                    lambda params: torch.optim.SGD(params, lr=LR, momentum=momentum))
+    for index in _batches(steps):
+        engine.step(x[index], y[index], torch.nn.functional.cross_entropy)
+    names = [n for n, _ in net.named_parameters()]
+    return torch.stack([torch.cat([engine.model.worker_state(i)[n].reshape(-1) for n in names]) for i in range(N)])
+
+
+ORACLES = [
+    ("d2_ring", "d2", {"topology": "ring"}, 0.0, _d2),
+    ("gradient_tracking_ring", "gradient_tracking", {"topology": "ring"}, 0.0, _tracking),
+    ("quasi_global_momentum_ring", "decentralized",
+     {"hierarchical": False, "topology": "ring", "quasi_global_momentum": True}, 0.9, _quasi_global(0.9)),
+    ("relaysum_grad_chain", "relaysum_grad", {"topology": "chain"}, 0.0, _relaysum_grad),
+    ("sgp_one_peer_exponential", "sgp", {}, 0.0, _push_sum),
+]
+
+
+@pytest.mark.parametrize("label,name,kwargs,momentum,rule", ORACLES, ids=[o[0] for o in ORACLES])
+def test_the_engine_follows_the_papers_rule(label, name, kwargs, momentum, rule):
+    expected = _oracle(rule)
+    got = _engine(name, kwargs, momentum)
+    scale = expected.abs().max()
+    assert (got - expected).abs().max() <= 2e-5 * scale, label
+    assert (got - got.mean(0)).abs().max() > 1e-4 * scale  # the workers' models differ (non-IID shares)
+
+
+def test_d2_is_not_d_psgd_and_tracking_is_not_either():
+    """The corrections matter: D² and gradient tracking leave the plain gossip's path."""
+    def gossip(t, x, g, w, state):
+        return _mix(w, x - LR * g)
+
+    plain = _oracle(gossip)
+    for rule in (_d2, _tracking):
+        assert (_oracle(rule) - plain).abs().max() > 1e-4
+
+
+CASES = [
+    ("d2_ring", "d2", {"topology": "ring"}),
+    ("gradient_tracking_ring", "gradient_tracking", {"topology": "ring"}),
+    ("gradient_tracking_one_peer", "gradient_tracking", {"topology": "one_peer_exponential"}),
+    ("qgm_ring", "decentralized", {"hierarchical": False, "topology": "ring", "quasi_global_momentum": True}),
+    ("qgm_one_peer", "decentralized",
+     {"hierarchical": False, "topology": "one_peer_exponential", "quasi_global_momentum": True}),
+    ("relaysum_grad_chain", "relaysum_grad", {"topology": "chain"}),
+    ("relaysum_grad_dbt_drops", "relaysum_grad", {"topology": "double_binary_tree", "drop_rate": 0.2, "seed": 4}),
+    ("sgp", "sgp", {}),
+    ("sgp_ring", "sgp", {"topology": "ring"}),
+]
+
+
+@pytest.fixture(scope="module")
+def per_rank():
+    return run_workers(engine_cases.per_rank, N, CASES, timeout=180)
+
+
+@pytest.mark.parametrize("label,name,kwargs", CASES, ids=[c[0] for c in CASES])
+def test_every_engine_worker_equals_its_process(per_rank, label, name, kwargs):
+    """SGD with momentum and weight decay (engine_cases), α = 0.1 shares, 4 workers."""
+    expected = torch.stack([per_rank[rank][label] for rank in range(N)])
+    got = engine_cases.stacked(N, name, kwargs)
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max(), label
+
+
+def _resume_worker(rank, world, name, kwargs):
+    """Train 4 steps, checkpoint, 4 more; a fresh model resumed from the checkpoint takes
+    the same 4 more steps: equal bit for bit."""
+    from bagua_algos import Algorithm
+
+    x, y = engine_cases.data()
+    xs, ys = x[rank::world][:64].view(8, 8, 12), y[rank::world][:64].view(8, 8)
+
+    def wrapped():
+        net = engine_cases.model()
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        return net.with_bagua([opt], Algorithm.init(name, **kwargs)), opt
+
+    def steps(net, opt, batches):
+        for k in batches:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(xs[k]), ys[k]).backward()
+            opt.step()
+
+    net, opt = wrapped()
+    steps(net, opt, range(4))
+    checkpoint = copy.deepcopy({"model": net.state_dict(), "opt": opt.state_dict(), "bagua": net.bagua_state_dict()})
+    steps(net, opt, range(4, 8))
+    resumed, resumed_opt = wrapped()
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt.load_state_dict(checkpoint["opt"])
+    resumed.load_bagua_state_dict(checkpoint["bagua"])
+    steps(resumed, resumed_opt, range(4, 8))
+    return (all(torch.equal(a, b) for a, b in zip(net.parameters(), resumed.parameters())),
+            sorted(checkpoint["bagua"]["bucket_state"]["0"]))
+
+
+RESUME = [
+    ("d2", {}, ["d2_correction", "exchanges"]),
+    ("gradient_tracking", {"topology": "one_peer_exponential"}, ["exchanges", "tracking_correction"]),
+    ("decentralized", {"hierarchical": False, "topology": "ring", "quasi_global_momentum": True},
+     ["exchanges", "quasi_global_momentum"]),
+    ("sgp", {}, ["exchanges"]),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,keys", RESUME, ids=[r[0] for r in RESUME])
+def test_a_checkpoint_resumes_exactly(name, kwargs, keys):
+    for same, saved in run_workers(_resume_worker, 3, name, kwargs, timeout=90):
+        assert same
+        assert saved == keys
+
+
+def test_bad_arguments_and_topologies_are_refused_by_name():
+    from bagua_algos.algorithms import (D2Algorithm, DecentralizedAlgorithm, GradientTrackingAlgorithm,
+                                        RelaySumGradAlgorithm, SGPAlgorithm)
+
+    with pytest.raises(ValueError, match="unknown topology 'torus'"):
+        D2Algorithm(topology="torus")
+    with pytest.raises(ValueError, match="RelaySGD needs a tree"):
+        RelaySumGradAlgorithm(topology="ring")
+    with pytest.raises(ValueError, match="drop_rate"):
+        RelaySumGradAlgorithm(drop_rate=1.0)
+    with pytest.raises(TypeError, match="quasi_global_momentum must be True or False"):
+        DecentralizedAlgorithm(topology="ring", hierarchical=False, quasi_global_momentum="yes")
+    with pytest.raises(ValueError, match="quasi_global_momentum=True gossips every step over a topology"):
+        DecentralizedAlgorithm(quasi_global_momentum=True)
+    with pytest.raises(ValueError, match="communication_interval=1"):
+        DecentralizedAlgorithm(topology="ring", hierarchical=False, quasi_global_momentum=True,
+                               communication_interval=2)
+    with pytest.raises(TypeError, match="topology must be a Topology"):
+        GradientTrackingAlgorithm(topology=3)
+    SGPAlgorithm(topology="ring")  # a fixed topology gossips with its Metropolis–Hastings weights
+
+
+@pytest.mark.parametrize("name,kwargs,match", [
+    ("d2", {"topology": "one_peer_exponential"}, "changes its peers every exchange"),
+    ("decentralized", {"hierarchical": False, "topology": "one_peer_exponential"}, "changes its peers every exchange"),
+])
+def test_a_fixed_matrix_algorithm_refuses_the_time_varying_graph(name, kwargs, match):
+    from bagua_algos import Algorithm
+    from bagua_algos.engine import Engine
+
+    with pytest.raises(ValueError, match=match):
+        Engine(engine_cases.model(), N, Algorithm.init(name, **kwargs), engine_cases.optimizer)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda p: torch.optim.SGD(p, lr=0.1), "needs SGD momentum > 0"),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1), "dampening 0"),
+    (lambda p: torch.optim.Adam(p, lr=0.1), "replaces torch.optim.SGD's momentum buffer; the optimizer is Adam"),
+])
+def test_quasi_global_momentum_names_the_optimizer_it_needs(make, match):
+    from bagua_algos import Algorithm
+    from bagua_algos.engine import Engine
+
+    x, y = engine_cases.data()
+    engine = Engine(engine_cases.model(), N, Algorithm.init(
+        "decentralized", hierarchical=False, topology="ring", quasi_global_momentum=True), make)
+    with pytest.raises((TypeError, ValueError), match=match):
+        engine.step(x[:32].view(N, 8, 12), y[:32].view(N, 8), torch.nn.functional.cross_entropy)
+
+
+def test_bytes_per_step_follow_the_topology():
+    """A ring worker sends its model to 2 neighbours, gradient tracking twice the model,
+    SGP to one peer, RelaySum/Grad on a chain to at most 2 (the ends to 1)."""
+    from bagua_algos import Algorithm
+    from bagua_algos.engine import Engine
+    from bagua_algos.runtime.comm import counter
+
+    x, y = engine_cases.data()
+    d = sum(p.numel() for p in engine_cases.model().parameters())
+    sent = {}
+    for label, name, kwargs in [("d2", "d2", {}), ("tracking", "gradient_tracking", {}), ("sgp", "sgp", {}),
+                                ("grad", "relaysum_grad", {})]:
+        engine = Engine(engine_cases.model(), N, Algorithm.init(name, **kwargs), engine_cases.optimizer)
+        before = counter.bytes_sent()
+        engine.step(x[:32].view(N, 8, 12), y[:32].view(N, 8), torch.nn.functional.cross_entropy)
+        sent[label] = counter.bytes_sent() - before
+    assert sent["d2"] == 2 * 4 * d
+    assert sent["tracking"] == 2 * sent["d2"]
+    assert sent["sgp"] == 4 * d
+    assert 4 * d * 3 // 2 <= sent["grad"] <= 2 * 4 * d + 64  # messages, plus the counts (float64 each)

@@ -167,7 +167,7 @@ def run_sim(args) -> None:
     data = args.loaded_data.to(device)
     make_model = lambda: build_model(data, args.model)  # noqa: E731
     if args.jobs > 1:  # torch.optim's optimizers import it when first used (about 1 s): once here, not in every job
-        import torch._dynamo  # noqa: F401
+        import torch._dynamo as _dynamo  # noqa: F401
     run_all(args, lambda config, alpha, lr: train_stacked(args, data, config, alpha, lr, make_model), show=True,
             jobs=args.jobs)
 

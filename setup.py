@@ -55,6 +55,8 @@ setup(
     install_requires=["torch>=2.4", "torchvision", "numpy", "tqdm", "matplotlib", "scikit-learn", "mlxtend"],
     # lightning: bagua_algos.lightning (strategy="bagua"); the tests run it too. pytest-xdist:
     # the README's test command runs a pytest process per core.
+    # one command with subcommands (bagua-algos sweep, reproduce, ...; docs/cli.md)
+    entry_points={"console_scripts": ["bagua-algos = bagua_algos.experiments.cli:main"]},
     extras_require={"lightning": ["lightning>=2.1"], "test": ["pytest", "pytest-xdist", "hypothesis", "lightning>=2.1"]},
     **compiled_extensions(),
 )

@@ -52,13 +52,17 @@ def _already_imported(path: str):
 
 
 def _load_file(path: str):
-    path = os.path.abspath(path)
+    given, path = path, os.path.abspath(path)
     module = _loaded_files.get(path) or (_already_imported(path) if os.path.isfile(path) else None)
     if module is not None:
         _loaded_files[path] = module
         return module
     if not os.path.isfile(path):
-        raise ValueError(f"{path}: no such file (an algorithm file is FILE.py:ClassName)")
+        hint = ""
+        if not os.path.isabs(given) and given.replace(os.sep, "/").startswith(("examples/", "./examples/")):
+            # the repository's examples/ are not installed with the package
+            hint = "; examples/ is in the repository's checkout: run from its root, or give the file's full path"
+        raise ValueError(f"{path}: no such file (an algorithm file is FILE.py:ClassName){hint}")
     _with_compat_on_path()
     name = "bagua_algos_user_" + hashlib.sha1(path.encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(name, path)

@@ -35,11 +35,10 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from bagua_algos.experiments.common import free_port
 
-from benchmarks.common import free_port  # noqa: E402
+# The repository's checkout: this benchmark runs its examples/fault_tolerance.py.
+REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "fault_tolerance.py"
 TRACKER = "latest_checkpointed_iteration.txt"
 FAMILIES = {

@@ -21,15 +21,12 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import lightning as L
+import torch
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-
-import bagua_algos.lightning  # noqa: E402,F401 - registers strategy="bagua"
-from bagua_algos.lightning import BaguaStrategy  # noqa: E402
+import bagua_algos.lightning  # noqa: F401 - registers strategy="bagua"
+from bagua_algos.lightning import BaguaStrategy
 
 
 class MLP(L.LightningModule):

@@ -2,7 +2,7 @@
 docs/probes.md that tabulates their answers.
 
 A probe that needs no process group runs in this process, in a thread watched for
-hangs; a distributed probe runs on both ranks of a ``gloo_workers.WorkerPool`` of
+hangs; a distributed probe runs on both ranks of a ``bagua_algos.experiments.gloo_workers.WorkerPool`` of
 ``WORLD_SIZE`` workers, one pool for all of them (a spawn costs seconds). Every probe
 records the exception type and the first line of its message (or "no error" and what
 it observed) and its time: it passes when the outcome matches and it finished within
@@ -35,7 +35,7 @@ if __name__ == "__main__":  # run as a command: the checkout importable, ahead o
 import torch  # noqa: E402
 
 from bad_input_cases import PROBES, WORLD_SIZE, Probe, _model, _sgd, _step  # noqa: E402
-from gloo_workers import WorkerPool  # noqa: E402
+from bagua_algos.experiments.gloo_workers import WorkerPool  # noqa: E402
 
 TIME_LIMIT_S = 5.0  # a probe that takes longer fails: nothing may hang
 HANG_GUARD_S = 20.0  # an in-process probe still running after this is reported as a hang

@@ -1,8 +1,8 @@
 """Shared test set-up: the import path, and fixtures for tests that start child processes.
 
-* ``tests/`` goes on ``sys.path`` (for the helper modules ``subprocesses`` and
-  ``gloo_workers``), and so does the repository root, ahead of any installed copy of
-  the project, so that ``pytest`` run as a plain command tests this checkout too.
+* ``tests/`` goes on ``sys.path`` (for helper modules such as ``subprocesses``), and
+  so does the repository root, ahead of any installed copy of the project, so that
+  ``pytest`` run as a plain command tests this checkout too.
   Under ``python -m pytest`` from the root both are usually there already.
 * Fixtures: ``repo_root``, ``tests_dir``, ``launch_workers_dir``, ``free_port`` (a
   port free right now on 127.0.0.1) and ``child_env`` (the environment for a child

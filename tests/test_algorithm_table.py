@@ -16,7 +16,7 @@ import torch
 from bagua_algos import GlobalAlgorithmRegistry
 from bagua_algos.algorithms.table import ALGORITHM_TABLE, AlgorithmConfig, config_by_label, one_per_algorithm
 from bagua_algos.runtime.algorithm import AlgorithmImpl
-from benchmarks.common import config_spec, parse_configs
+from bagua_algos.experiments.common import config_spec, parse_configs
 
 LABELS = [config.label for config in ALGORITHM_TABLE]
 
@@ -105,7 +105,7 @@ def test_every_row_has_a_configs_entry_read_back_as_the_same_row(label):
 
 
 def test_the_sweep_defaults_are_the_rows_marked_for_it():
-    from benchmarks.heterogeneity_sweep import DEFAULT_CONFIGS
+    from bagua_algos.experiments.sweep.cli import DEFAULT_CONFIGS
 
     assert [c.spec for c in parse_configs(DEFAULT_CONFIGS)] == [
         config_spec(config) for config in ALGORITHM_TABLE if config.in_sweep]

@@ -20,7 +20,7 @@ from bagua_algos.algorithms import AtomoAlgorithm, SignNormAlgorithm, SignumAlgo
 from bagua_algos.compression.atomo import AtomoCodec, atomo_probabilities, sample_exactly
 from bagua_algos.compression.signs import MajorityVoteCodec, SignNormCodec, pack_signs, unpack_signs
 from bagua_algos.compression.topk import TopKCodec
-from gloo_workers import run_workers
+from bagua_algos.experiments.gloo_workers import run_workers
 
 # --- packing and the vote: properties ----------------------------------------------------
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bagua_algos.compat import compat_path
-from gloo_workers import run_workers
+from bagua_algos.experiments.gloo_workers import run_workers
 
 
 def small_model(seed: int = 0) -> torch.nn.Module:

@@ -81,7 +81,7 @@ def test_unknown_algorithm_fails_in_the_workers():
 
 
 def test_a_usage_error_is_printed_by_the_first_worker_of_a_node_only(monkeypatch, capsys):
-    from benchmarks import common
+    from bagua_algos.experiments import common
 
     waits = []
     monkeypatch.setattr(common.time, "sleep", waits.append)
@@ -112,7 +112,7 @@ def _parse_error(parse, argv, capsys) -> str:
 def test_device_cuda_with_too_few_gpus_is_refused_before_the_workers_start(monkeypatch, capsys):
     import torch
 
-    from benchmarks.synthetic_benchmark import parse_args
+    from bagua_algos.experiments.synthetic_benchmark import parse_args
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -147,7 +147,7 @@ def test_device_cuda_without_a_gpu_from_the_command_line_is_one_line():
 
 
 def test_help_shows_the_flags_of_both_modes_grouped():
-    from benchmarks import bagua_synthetic, synthetic_benchmark
+    from bagua_algos.experiments import bagua_synthetic, synthetic_benchmark
 
     code, out, err = run([SCRIPT, "--help"], timeout=60)
     assert code == 0, err
@@ -165,7 +165,7 @@ def test_help_shows_the_flags_of_both_modes_grouped():
 
 
 def test_config_parsing():
-    from benchmarks.common import ConfigError, parse_configs, parse_value
+    from bagua_algos.experiments.common import ConfigError, parse_configs, parse_value
 
     assert [parse_value(v) for v in ("3", "0.5", "True", "false", "none", "chain")] == [3, 0.5, True, False, None, "chain"]
     ddp, ga = parse_configs(" ddp:bucket_cap_mb=10 ; gradient_allreduce:average=false,do_flatten=false,bucket_size=4096")
@@ -180,7 +180,7 @@ def test_config_parsing():
 
 def test_qadam_config_builds_its_own_optimizer():
     import torch
-    from benchmarks.common import ConfigError, parse_configs
+    from bagua_algos.experiments.common import ConfigError, parse_configs
     from bagua_algos.algorithms import QAdamOptimizer
 
     (qadam,) = parse_configs("qadam:warmup_steps=7,lr=0.5,hierarchical=false")
@@ -199,7 +199,7 @@ def test_qadam_config_builds_its_own_optimizer():
 
 def test_cifar_resnet18_is_the_papers_model():
     import torch
-    from benchmarks.synthetic_benchmark import build_model
+    from bagua_algos.experiments.synthetic_benchmark import build_model
 
     model = build_model("cifar_resnet18", 10, 0, 0)
     assert model.conv1.kernel_size == (3, 3)  # CIFAR stem: no 7x7 convolution, no max-pool

@@ -26,7 +26,7 @@ import torch
 from bagua_algos.runtime import comm
 
 from collective_cases import TWO_NODES, all_collectives, expected_collectives, inp
-from gloo_workers import run_workers
+from bagua_algos.experiments.gloo_workers import run_workers
 from subprocesses import REPO, child_env, run_python
 
 N = 4

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import engine_cases
-from gloo_workers import run_workers
+from bagua_algos.experiments.gloo_workers import run_workers
 
 N, STEPS = 4, 13  # 13: the run ends between synchronisations
 

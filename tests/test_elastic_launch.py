@@ -243,7 +243,7 @@ def test_example_across_network_namespaces_and_a_lost_node_of_a_fixed_size_job(t
     second node is killed. A fixed-size job cannot go on with one node: the first
     node's agent restarts its worker, waits join_timeout for a second node, and ends
     with one line saying so (exit 1), well within the deadline."""
-    from benchmarks.netem import EmulatedNetwork, _existing_namespaces, check_support
+    from bagua_algos.experiments.netem import EmulatedNetwork, existing_namespaces, check_support
 
     reason = check_support()
     if reason is not None:
@@ -273,7 +273,7 @@ def test_example_across_network_namespaces_and_a_lost_node_of_a_fixed_size_job(t
             if proc.poll() is None:
                 kill_tree(proc)
     # only our own: other tests may build networks at the same time (pytest -n)
-    assert not [ns for ns in _existing_namespaces() if ns.startswith(tag + "-")], "namespaces left behind"
+    assert not [ns for ns in existing_namespaces() if ns.startswith(tag + "-")], "namespaces left behind"
     log = events(ev)
     assert {e["rank"] for e in log if e["event"] == "start"} == {0, 1}
     assert all(e["world"] == 2 for e in log)

@@ -69,7 +69,7 @@ import torch
 
 import engine_cases
 from bagua_algos.compression import minmax
-from gloo_workers import run_workers
+from bagua_algos.experiments.gloo_workers import run_workers
 
 RTOL = 1e-5
 # The algorithms whose quantized values may take another level in the two forms (above).

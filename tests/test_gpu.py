@@ -22,7 +22,7 @@ import torch
 
 from algorithm_runs import assert_runs_agree, labels_for, train, train_all
 from collective_cases import TWO_NODES, all_collectives, staging_communicators
-from gloo_workers import run_workers
+from bagua_algos.experiments.gloo_workers import run_workers
 
 CUDA = torch.cuda.is_available()
 GPUS = torch.cuda.device_count() if CUDA else 0

@@ -11,7 +11,7 @@ import torch
 
 from algorithm_runs import labels_for, train_all
 from collective_cases import TWO_NODES, all_collectives, staging_communicators
-from gloo_workers import run_workers
+from bagua_algos.experiments.gloo_workers import run_workers
 
 
 def _everything(rank, n):

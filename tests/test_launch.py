@@ -354,7 +354,7 @@ def test_the_workers_environment_follows_the_flags(monkeypatch):
     """--default_bucket_size reaches with_bagua through BAGUA_DEFAULT_BUCKET_SIZE; c10d
     leaves NODE_RANK to the rendezvous and opts out of torch's shared store
     (pytorch/pytorch#147064); static sets NODE_RANK and the master."""
-    from gloo_workers import run_workers
+    from bagua_algos.experiments.gloo_workers import run_workers
 
     from bagua_algos.runtime.bucket import default_bucket_size
 

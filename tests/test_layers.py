@@ -12,6 +12,11 @@ PACKAGES = ("bagua_algos", "topologies", "samplers", "cuda_ext")
 # What each layer may import of the project (DESIGN.md's arrows). A layer is a
 # subpackage of bagua_algos or a module directly in it, or a top-level package.
 ALLOWED = {
+    # the experiments and benchmarks (bagua-algos COMMAND): the top layer, which no other imports
+    # (`import bagua_algos` itself: the package's patches of torch.nn.Module, with_bagua)
+    "bagua_algos.experiments": {"bagua_algos", "bagua_algos.algorithm_source", "bagua_algos.algorithms",
+                                "bagua_algos.compression", "bagua_algos.engine", "bagua_algos.runtime", "topologies",
+                                "samplers", "cuda_ext"},
     "bagua_algos": {"bagua_algos.algorithms", "bagua_algos.runtime"},
     "bagua_algos.lightning": {"bagua_algos.algorithms", "bagua_algos.runtime"},
     "bagua_algos.compat": {"bagua_algos.algorithms", "bagua_algos.runtime"},

@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from gloo_workers import run_workers  # noqa: E402
+from bagua_algos.experiments.gloo_workers import run_workers  # noqa: E402
 from subprocesses import free_port  # noqa: E402
 
 from bagua_algos.algorithms.table import config_by_label, one_per_algorithm  # noqa: E402

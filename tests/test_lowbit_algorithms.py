@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from bagua_algos.compression import minmax
-from gloo_workers import run_workers
+from bagua_algos.experiments.gloo_workers import run_workers
 
 N = 4
 TWO_NODES = {"LOCAL_WORLD_SIZE": "2"}

@@ -17,7 +17,7 @@ from bagua_algos.algorithms.relay import coordinate_ranges
 from bagua_algos.arguments import rank_seed
 from topologies import ChainTopology, get_topology
 
-from gloo_workers import run_workers
+from bagua_algos.experiments.gloo_workers import run_workers
 
 DIM = 11  # odd, so the double binary tree's halves differ in size
 

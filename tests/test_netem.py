@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.netem import EmulatedNetwork, NetemError, check_delay, check_rate, check_support, _existing_namespaces
+from bagua_algos.experiments.netem import EmulatedNetwork, NetemError, check_delay, check_rate, check_support, existing_namespaces
 from subprocesses import REPO, child_env, free_port, run_python
 
 WORKER = Path(__file__).resolve().parent / "launch_workers" / "train_and_dump.py"
@@ -46,7 +46,7 @@ def test_bad_node_count_is_named(nodes):
 
 
 def test_command_line_without_script_is_an_error(capsys):
-    from benchmarks import netem
+    from bagua_algos.experiments import netem
 
     with pytest.raises(SystemExit) as exc:
         netem.main(["--nodes", "2"])
@@ -78,7 +78,7 @@ def test_two_nodes_over_emulated_links_end_as_one_node(tmp_path, algorithm):
     tag = f"bt{free_port()}"
     two = _run_two_nodes(tmp_path, algorithm, tag)
     # only our own: other tests may build networks at the same time (pytest -n)
-    assert not [ns for ns in _existing_namespaces() if ns.startswith(tag + "-")], "namespaces left behind"
+    assert not [ns for ns in existing_namespaces() if ns.startswith(tag + "-")], "namespaces left behind"
     assert sorted(r["layout"] for r in two) == [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2)]
     one = _run_one_node(tmp_path, algorithm)
     for r in range(4):  # D-PSGD's workers differ (each adds its own gradient): compare rank by rank
@@ -95,7 +95,7 @@ def test_links_are_limited_and_everything_is_removed_on_failure():
     tag = f"bt{free_port()}"
     with pytest.raises(RuntimeError, match="boom"):
         with EmulatedNetwork(nodes=2, rate="20mbit", tag=tag) as net:
-            assert set(net.namespaces) | {net.switch} <= set(_existing_namespaces())
+            assert set(net.namespaces) | {net.switch} <= set(existing_namespaces())
             server = net.popen(1, ["python3", "-c", (
                 "import socket; s=socket.socket(); s.bind(('0.0.0.0', 5201)); s.listen(1); c,_=s.accept();\n"
                 "n=0\nwhile True:\n d=c.recv(1<<16)\n if not d: break\n n+=len(d)\nprint(n)")],
@@ -113,7 +113,7 @@ def test_links_are_limited_and_everything_is_removed_on_failure():
             # 5 MiB at 20 Mbit/s takes ≈ 2.1 s; unlimited loopback-speed veth takes ≪ 0.5 s.
             assert seconds > 1.0, seconds
             raise RuntimeError("boom")
-    assert not [ns for ns in _existing_namespaces() if ns.startswith(tag + "-")]
+    assert not [ns for ns in existing_namespaces() if ns.startswith(tag + "-")]
 
 
 @needs_netns
@@ -127,7 +127,7 @@ def test_sigterm_to_a_library_user_removes_namespaces_and_workers(tmp_path):
     script.write_text(
         "import sys\n"
         f"sys.path.insert(0, {str(REPO)!r})\n"
-        "from benchmarks.netem import EmulatedNetwork\n"
+        "from bagua_algos.experiments.netem import EmulatedNetwork\n"
         f"with EmulatedNetwork(nodes=2, rate='1gbit', tag={tag!r}) as net:\n"
         "    worker = net.popen(1, ['sleep', '300'])\n"
         f"    open({str(marker)!r}, 'w').write(str(worker.pid))\n"
@@ -143,20 +143,20 @@ def test_sigterm_to_a_library_user_removes_namespaces_and_workers(tmp_path):
             assert time.monotonic() < deadline, "the script did not start its worker"
             time.sleep(0.1)
         worker_pid = int(marker.read_text())
-        assert f"{tag}-n0" in _existing_namespaces()
+        assert f"{tag}-n0" in existing_namespaces()
         user.send_signal(signal.SIGTERM)
         user.wait(timeout=60)
     finally:
         if user.poll() is None:
             user.kill()
         log.close()
-    assert not [ns for ns in _existing_namespaces() if ns.startswith(tag + "-")], "namespaces left behind"
+    assert not [ns for ns in existing_namespaces() if ns.startswith(tag + "-")], "namespaces left behind"
     with pytest.raises(ProcessLookupError):  # the worker's session was killed too
         os.kill(worker_pid, 0)
 
 
 def test_network_sweep_arguments_are_checked():
-    from benchmarks import network_sweep
+    from bagua_algos.experiments import network_sweep
 
     for argv, match in ((["--rates", "fast"], "--rates"), (["--rates", ","], "--rates"),
                         (["--configs", "no_such_algo"], "--configs"), (["--nodes", "0"], "--nodes")):
@@ -165,7 +165,7 @@ def test_network_sweep_arguments_are_checked():
 
 
 def test_network_sweep_plot_draws_every_config(tmp_path):
-    from benchmarks.network_sweep import plot_throughput
+    from bagua_algos.experiments.network_sweep import plot_throughput
 
     reports = {rate: {"results": [{"config": f"c{i}", "images_per_s": (i + 1) * scale} for i in range(12)]}
                for rate, scale in (("100mbit", 1.0), ("1gbit", 10.0))}
@@ -176,7 +176,7 @@ def test_network_sweep_plot_draws_every_config(tmp_path):
 
 @needs_netns
 def test_network_sweep_runs_over_emulated_links(tmp_path):
-    before = set(_existing_namespaces())
+    before = set(existing_namespaces())
     code, out, err = run_python([str(REPO / "benchmarks" / "network_sweep.py"), "--nodes", "2", "--rates", "10gbit",
                                  "--model", "cnn", "--batch-size", "4", "--steps", "2", "--warmup", "1",
                                  "--rounds", "1", "--timeout", "150", "--out-dir", str(tmp_path),
@@ -184,7 +184,7 @@ def test_network_sweep_runs_over_emulated_links(tmp_path):
     assert code == 0, err[-3000:]
     # the sweep's networks take EmulatedNetwork's default tag, "bn<pid>"; other tests'
     # networks (pytest -n) have tags of their own
-    assert not [ns for ns in set(_existing_namespaces()) - before if ns.startswith("bn")]
+    assert not [ns for ns in set(existing_namespaces()) - before if ns.startswith("bn")]
     report = json.loads((tmp_path / "results.json").read_text())
     rows = {row["config"]: row for row in report["10gbit"]["results"]}
     assert set(rows) == {"gradient_allreduce", "terngrad:bits=2"}

@@ -133,3 +133,12 @@ def test_lightning_is_imported_by_its_strategy_module_only(repo_root):
                 if any(n.split(".")[0] in ("lightning", "pytorch_lightning") for n in names):
                     offenders.append(f"{path.relative_to(repo_root)}:{node.lineno}")
     assert not offenders, offenders
+
+
+def test_the_console_command_is_the_experiments_cli(setup_kwargs):
+    """`pip install` puts `bagua-algos` on the path: an entry point to an importable main."""
+    import importlib
+
+    (entry,) = [e for e in setup_kwargs["entry_points"]["console_scripts"] if e.split("=")[0].strip() == "bagua-algos"]
+    module, function = entry.split("=")[1].strip().split(":")
+    assert callable(getattr(importlib.import_module(module), function))

@@ -13,7 +13,7 @@ import torch
 from bagua_algos.algorithms import PowerSGDAlgorithm
 from bagua_algos.compression import powersgd as psgd
 
-from gloo_workers import run_workers
+from bagua_algos.experiments.gloo_workers import run_workers
 
 WORKERS = 2
 BATCH = 4
@@ -228,7 +228,7 @@ def _ddp_hook_checks(rank, n):
     machine with a GPU: it calls ``torch.cuda.synchronize(device)`` whenever CUDA is
     available, and torch refuses a CPU device there (a torch bug; see
     ``benchmarks/powersgd_benchmark.py``). Without a GPU the guard changes nothing."""
-    from benchmarks.powersgd_benchmark import guard_cuda_synchronize_for_cpu
+    from bagua_algos.experiments.powersgd_benchmark import guard_cuda_synchronize_for_cpu
 
     with guard_cuda_synchronize_for_cpu():
         return _ddp_hook_checks_on_cpu(rank, n)

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from bagua_algos.compression import powersgd as psgd
-from benchmarks.cifar_resnet import CifarResNet18
+from bagua_algos.experiments.cifar_resnet import CifarResNet18
 
 
 def identity(t):
@@ -36,7 +36,7 @@ def low_rank_matrix(n, m, singular_values, generator):
 
 
 # --- Table 10 ---------------------------------------------------------------------------------
-from benchmarks.reproduce import TABLE_10  # noqa: E402  parameter → (matrix shape, compression × r), seed 001 Table 10
+from bagua_algos.experiments.reproduce import TABLE_10  # noqa: E402  parameter → (matrix shape, compression × r), seed 001 Table 10
 
 
 def test_resnet18_ratios_match_table_10():
@@ -457,7 +457,7 @@ def test_torch_hook_anchor_runs_on_cpu_when_cuda_is_visible(monkeypatch):
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
-    from benchmarks.powersgd_benchmark import _Bucket, guard_cuda_synchronize_for_cpu
+    from bagua_algos.experiments.powersgd_benchmark import HookBucket, guard_cuda_synchronize_for_cpu
 
     def strict_synchronize(device=None):  # what torch does on a machine with a GPU
         if device is not None and torch.device(device).type != "cuda":
@@ -473,7 +473,7 @@ def test_torch_hook_anchor_runs_on_cpu_when_cuda_is_visible(monkeypatch):
         state = torch_psgd.PowerSGDState(process_group=_Group(), matrix_approximation_rank=1, start_powerSGD_iter=2,
                                          min_compression_rate=1.0, use_error_feedback=True, warm_start=True)
         state.iter = 2
-        return torch_psgd.powerSGD_hook(state, _Bucket(buffer.clone(), params)).wait()
+        return torch_psgd.powerSGD_hook(state, HookBucket(buffer.clone(), params)).wait()
 
     with pytest.raises((RuntimeError, ValueError), match="Expected a cuda device"):
         hook()

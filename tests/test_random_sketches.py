@@ -29,7 +29,7 @@ import torch
 
 from bagua_algos.compression import random_sketch
 
-from gloo_workers import run_workers
+from bagua_algos.experiments.gloo_workers import run_workers
 
 WORKERS = 3
 BATCH = 4

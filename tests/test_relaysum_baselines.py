@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import engine_cases
-from gloo_workers import run_workers
+from bagua_algos.experiments.gloo_workers import run_workers
 
 N, STEPS, LR = 4, 12, 0.05
 

@@ -6,8 +6,8 @@ import csv
 
 import pytest
 
-from benchmarks import reproduce
-from benchmarks.reproduce_train import Setting, iid_batches
+from bagua_algos.experiments import reproduce
+from bagua_algos.experiments.reproduce_train import Setting, iid_batches
 
 
 def test_list_names_every_experiment_and_what_is_not_reproducible(capsys):

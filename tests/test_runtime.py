@@ -12,7 +12,7 @@ from bagua_algos.runtime import comm
 from bagua_algos.runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua_algos.algorithms import GradientAllReduceAlgorithm
 
-from gloo_workers import run_workers
+from bagua_algos.experiments.gloo_workers import run_workers
 
 
 def small_model(seed: int = 0) -> torch.nn.Module:

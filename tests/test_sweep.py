@@ -125,7 +125,7 @@ def test_cifar10_batches_load_and_vgg11_classifies_them(tmp_path):
     import numpy as np
     import torch
 
-    from benchmarks.sweep_data import build_model, load_data
+    from bagua_algos.experiments.data import build_model, load_data
 
     rng = np.random.default_rng(0)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
@@ -144,8 +144,8 @@ def test_cifar10_batches_load_and_vgg11_classifies_them(tmp_path):
 
 
 def test_terngrad_rows_name_bits_and_clip():
-    from benchmarks.common import parse_configs
-    from benchmarks.heterogeneity_sweep import config_label
+    from bagua_algos.experiments.common import parse_configs
+    from bagua_algos.experiments.sweep.report import config_label
 
     clipped, plain = parse_configs("terngrad:bits=2,clip=2.5;terngrad:bits=4")
     assert config_label(clipped) == "terngrad (2 bits, clip 2.5)"
@@ -188,7 +188,7 @@ def test_idle_cores_are_counted_now_not_from_the_lagging_load_average(tmp_path, 
     read (a fraction of the machine's CPUs), else the load average."""
     import os
 
-    from benchmarks import heterogeneity_sweep as sweep
+    from bagua_algos.experiments.sweep import schedule as sweep
 
     if os.path.isfile("/proc/stat"):
         busy = sweep.busy_cpus(0.05)

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gloo_workers import run_workers
+from bagua_algos.experiments.gloo_workers import run_workers
 from subprocesses import REPO, free_port, run_python
 
 sys.path.insert(0, str(REPO / "examples"))

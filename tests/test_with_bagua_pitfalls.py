@@ -18,7 +18,7 @@ from bagua_algos.algorithms import (
     GradientAllReduceAlgorithm,
     RelayAlgorithm,
 )
-from gloo_workers import run_workers
+from bagua_algos.experiments.gloo_workers import run_workers
 
 
 def bn_model(seed: int = 0, hidden: int = 12) -> torch.nn.Module:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from gloo_workers import run_workers
+from bagua_algos.experiments.gloo_workers import run_workers
 
 STEPS = 5
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from gloo_workers import run_workers
+from bagua_algos.experiments.gloo_workers import run_workers
 
 
 def _algorithms(params_for_qadam):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import engine_cases
-from gloo_workers import run_workers
+from bagua_algos.experiments.gloo_workers import run_workers
 from subprocesses import REPO, run_python
 
 RTOL = 1e-5

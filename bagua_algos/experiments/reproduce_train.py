@@ -1,9 +1,9 @@
-"""Training, byte counting and timing for ``benchmarks/reproduce.py``.
+"""Training, byte counting and timing for ``reproduce`` (bagua_algos/experiments/reproduce.py).
 
 A run trains the stacked workers of one algorithm on the one-process engine
-(:class:`bagua_algos.engine.Engine`, docs/engine.md) the way
-``benchmarks/sweep_engine.train_stacked`` does (one ``engine.step`` per batch, the
-averaged model and every worker evaluated after each epoch), with what the seeds'
+(:class:`bagua_algos.engine.Engine`, docs/engine.md) through the sweep's training loop
+(:func:`bagua_algos.experiments.training.train_epochs`: one ``engine.step`` per batch,
+the averaged model and every worker evaluated after each epoch), with what the seeds'
 settings add: IID shares (each epoch a seeded permutation dealt out as
 ``DistributedSampler`` deals it), a linear warm-up and step decays of the learning
 rate, and, for PowerSGD, the norm of every worker's error buffer after each epoch.
@@ -29,6 +29,7 @@ import torch
 from bagua_algos.algorithms.table import AlgorithmConfig
 from bagua_algos.engine import Engine
 from bagua_algos.engine.data import WorkerShares
+from bagua_algos.experiments.training import StackedWorkers, train_epochs
 
 __all__ = ["Setting", "Run", "make_model", "load", "train", "bytes_per_step", "time_step"]
 
@@ -81,7 +82,7 @@ class Setting:
 def make_model(name: str, sample_shape: tuple, num_classes: int = 10) -> torch.nn.Module:
     """A fresh model (the caller seeds torch first)."""
     if name in ("mlp", "cnn", "vgg11"):
-        from benchmarks.sweep_data import SmallCNN, build_model
+        from bagua_algos.experiments.data import SmallCNN, build_model
 
         if name == "cnn":
             return SmallCNN(tuple(sample_shape), num_classes)
@@ -90,7 +91,7 @@ def make_model(name: str, sample_shape: tuple, num_classes: int = 10) -> torch.n
                                 name="cifar10" if name == "vgg11" else "digits")
         return build_model(shape, name)
     if name == "resnet18":
-        from benchmarks.cifar_resnet import CifarResNet18
+        from bagua_algos.experiments.cifar_resnet import CifarResNet18
 
         return CifarResNet18(num_classes)
     if name == "vgg19":  # the thesis's VGG-19 (with batch norm) for 32x32 inputs
@@ -104,7 +105,7 @@ def make_model(name: str, sample_shape: tuple, num_classes: int = 10) -> torch.n
 
 
 def load(dataset: str, data_dir, seed: int, device):
-    from benchmarks.sweep_data import load_data
+    from bagua_algos.experiments.data import load_data
 
     return load_data(dataset, data_dir, seed).to(device)
 
@@ -163,7 +164,10 @@ def error_buffer(engine):
 
 def train(setting: Setting, data, config: AlgorithmConfig, seed: int, lr: float | None = None,
           device="cpu") -> Run:
-    """Train ``config``'s algorithm on ``setting`` from seed ``seed`` on the engine."""
+    """Train ``config``'s algorithm on ``setting`` from seed ``seed`` on the engine
+    (:func:`bagua_algos.experiments.training.train_epochs`, the sweep's loop), with the
+    setting's learning-rate schedule, every step timed, and each worker's error-buffer
+    norm read after each epoch."""
     setting = setting if lr is None else setting.with_(lr=lr)
     torch.manual_seed(seed)
     module = make_model(setting.model, data.image_shape, data.num_classes)
@@ -172,50 +176,29 @@ def train(setting: Setting, data, config: AlgorithmConfig, seed: int, lr: float 
     engine = Engine(module, setting.workers, config.build(), optimizer, device=device)
     shares = None if setting.alpha is None else WorkerShares(data.train_y.cpu(), setting.workers, setting.alpha, seed)
     n_steps = steps_per_epoch(setting, len(data.train_y)) if shares is None else None
+    per_epoch = n_steps or (len(shares) // setting.batch if shares is not None else 0) or 1
+    batches = ((lambda epoch: iid_batches(len(data.train_y), setting.workers, setting.batch, epoch, seed, device))
+               if shares is None else (lambda epoch: shares.batches(epoch, setting.batch, device=device)))
     run = Run(config.label, seed, setting.lr)
-    loss_fn = torch.nn.functional.cross_entropy
-    durations = []
-    started = time.perf_counter()
-    for epoch in range(setting.epochs):
-        batches = (iid_batches(len(data.train_y), setting.workers, setting.batch, epoch, seed, device)
-                   if shares is None else shares.batches(epoch, setting.batch, device=device))
-        total, steps = torch.zeros(setting.workers, device=device), 0
-        for step, index in enumerate(batches):
-            if setting.max_steps_per_epoch is not None and step >= setting.max_steps_per_epoch:
-                break
-            per_epoch = n_steps or len(shares) // setting.batch or 1
-            for group in engine.optimizer.param_groups:
-                group["lr"] = setting.lr_at(epoch + step / per_epoch)
-            _sync(device)
-            t0 = time.perf_counter()
-            try:
-                total += engine.step(data.train_x[index], data.train_y[index], loss_fn)
-            except ValueError as err:  # a quantising codec refuses non-finite values: the run diverged
-                if not torch.isfinite(engine.model.grads).all():
-                    run.diverged = f"epoch {epoch}, step {step}: {err}"
-                    break
-                raise
-            _sync(device)
-            if epoch > 0 or setting.epochs == 1:
-                durations.append(time.perf_counter() - t0)
-            steps += 1
-        losses = (total / max(steps, 1)).cpu()
-        if run.diverged:
-            break
-        if not torch.isfinite(losses).all():
-            run.diverged = f"training loss not finite in epoch {epoch}"
-            break
-        with torch.no_grad():
-            workers = (engine.model.predict(data.test_x) == data.test_y).float().mean(1)
-            averaged = float((engine.model.predict_averaged(data.test_x) == data.test_y).float().mean())
-        run.test_accuracy.append(averaged)
-        run.worst_worker_accuracy.append(float(workers.min()))
-        run.train_loss.append(float(losses.mean()))
+
+    def read_error_norm():
         error = error_buffer(engine)
         if error is not None:
             run.error_norm.append(float(error.norm(dim=1).mean()))
-        run.epoch_seconds.append(time.perf_counter() - started)
-    run.step_seconds = statistics.median(durations) if durations else float("nan")
+
+    started = time.perf_counter()
+    curves = train_epochs(StackedWorkers(engine, data, batches, batched_average=False), setting.epochs,
+                          setting.max_steps_per_epoch, lr_at=lambda epoch, step: setting.lr_at(epoch + step / per_epoch),
+                          time_steps=True, codec_refusal_diverges=True, after_epoch=read_error_norm)
+    run.test_accuracy = curves.averaged_accuracy
+    run.worst_worker_accuracy = curves.min_worker_accuracy
+    run.train_loss = curves.train_loss
+    run.epoch_seconds = curves.epoch_seconds
+    diverged = curves.diverged
+    if diverged is not None:  # a quantising codec refused non-finite values, or an epoch's loss is not finite
+        run.diverged = (f"epoch {diverged.epoch}, step {diverged.step}: {diverged.error}" if diverged.error is not None
+                        else f"training loss not finite in epoch {diverged.epoch}")
+    run.step_seconds = statistics.median(curves.step_seconds) if curves.step_seconds else float("nan")
     run.seconds = time.perf_counter() - started
     return run
 
@@ -252,7 +235,7 @@ def _bytes_worker(rank, world_size, model_name, sample_shape, num_classes, confi
 def bytes_per_step(configs, model_name: str, sample_shape: tuple, num_classes: int = 10,
                    timeout: float = 300.0) -> dict:
     """label → bytes one worker hands to collectives per step (the larger of two gloo workers)."""
-    from tests.gloo_workers import run_workers
+    from bagua_algos.experiments.gloo_workers import run_workers
 
     per_rank = run_workers(_bytes_worker, 2, model_name, tuple(sample_shape), num_classes, list(configs),
                            timeout=timeout)

@@ -149,7 +149,7 @@ class BenchConfig:
         ``qadam`` is built on its own optimizer: pass the ``QAdamOptimizer`` from
         :meth:`build_qadam_optimizer` (without one, a throwaway is made to check the
         arguments)."""
-        from bagua_algos import Algorithm
+        from bagua_algos.runtime.algorithm import Algorithm
 
         try:
             if self.is_qadam:
@@ -191,7 +191,7 @@ class BenchConfig:
 
 
 def _available_algorithms() -> list[str]:
-    from bagua_algos import GlobalAlgorithmRegistry
+    from bagua_algos.runtime.algorithm import GlobalAlgorithmRegistry
 
     return GlobalAlgorithmRegistry.available_algorithms()
 
@@ -301,10 +301,11 @@ def init_for_device(device: str):
     return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
 
 
-def launch_self(script: str, nproc: int, argv: list[str], command_env: str) -> None:
-    """Run ``script`` with ``argv`` in ``nproc`` local workers through the plugin's
-    launcher (torchrun underneath); it exits non-zero if a worker fails. The user's
-    command line is kept in ``command_env`` for the workers to report."""
+def launch_self(module: str, nproc: int, argv: list[str], command_env: str) -> None:
+    """Run ``python -m module`` with ``argv`` in ``nproc`` local workers through the
+    plugin's launcher (torchrun underneath); it exits non-zero if a worker fails. The
+    user's command line is kept in ``command_env`` for the workers to report. A module,
+    not a file: the workers import it from the installed package, wherever it lives."""
     from bagua_algos.runtime import launch
 
     os.environ[command_env] = shlex.join([Path(sys.executable).name, *sys.argv])
@@ -313,6 +314,6 @@ def launch_self(script: str, nproc: int, argv: list[str], command_env: str) -> N
         "--nproc_per_node", str(nproc),
         "--master_addr", "127.0.0.1",
         "--master_port", str(free_port()),
-        str(Path(script).resolve()),
+        "-m", module,
         *argv,
     ])

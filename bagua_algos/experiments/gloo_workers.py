@@ -1,4 +1,5 @@
-"""Run a function on N gloo (or NCCL) workers on this machine, for tests.
+"""Run a function on N gloo (or NCCL) workers on this machine: the tests, and
+``reproduce``'s count of the bytes each algorithm hands to collectives.
 
 ``run_workers(fn, world_size, *args)`` spawns ``world_size`` processes that rendezvous
 through a file store, join the process group (gloo unless ``backend="nccl"``: each
@@ -11,6 +12,9 @@ fails the caller with that worker's traceback; a worker that does not finish wit
 group, for many calls: ``pool.run(fn, *args)`` returns what ``run_workers`` would,
 without paying a spawn (seconds) per call. Tests share one through a module- or
 session-scoped fixture.
+
+``fn`` travels by reference (pickled by its module and name), so it must be a function
+at the top level of a module the workers can import.
 """
 
 from __future__ import annotations

@@ -1,0 +1,71 @@
+"""``bagua-algos``: the experiments as one command with subcommands, as ``torchrun`` and
+Lightning's CLI are: ``bagua-algos COMMAND [ARGS]``, each command with its own
+``--help``. Installed with the package (``[project.scripts]``-style entry point in
+setup.py), also ``python -m bagua_algos.experiments``.
+
+Each command is a module's ``main(argv)``: the same code as the repository's script
+``benchmarks/X.py``, with the same flags, outputs and messages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+__all__ = ["COMMANDS", "build_parser", "main"]
+
+# command -> (module whose main(argv) runs it, one line of help)
+COMMANDS = {
+    "sweep": ("bagua_algos.experiments.sweep.cli",
+              "the heterogeneity sweep: every algorithm x topology x Dirichlet alpha on N local workers"),
+    "reproduce": ("bagua_algos.experiments.reproduce", "the seeds' tables and figures, one command each ('list')"),
+    "synthetic-benchmark": ("bagua_algos.experiments.synthetic_benchmark",
+                            "images/s of each algorithm against a baseline on synthetic data"),
+    "network-sweep": ("bagua_algos.experiments.network_sweep",
+                      "the synthetic benchmark over emulated networks at several rates (root, Linux)"),
+    "engine-benchmark": ("bagua_algos.experiments.engine_benchmark",
+                         "the one-process engine against the forms it replaced"),
+    "bagua-synthetic": ("bagua_algos.experiments.bagua_synthetic", "Bagua's synthetic benchmark, flag for flag"),
+    "netem": ("bagua_algos.experiments.netem", "run a job over an emulated network (root, Linux)"),
+    "powersgd-benchmark": ("bagua_algos.experiments.powersgd_benchmark",
+                           "PowerSGD's step and memory against torch's powerSGD_hook"),
+    "orthogonalization-benchmark": ("bagua_algos.experiments.orthogonalization_benchmark",
+                                    "the orthogonalization methods' times"),
+    "codec-benchmark": ("bagua_algos.experiments.codec_benchmark", "the min-max codec's encode and decode speeds"),
+    "pace": ("bagua_algos.experiments.pace", "each hot path's time against its baseline"),
+    "qadam-variants": ("bagua_algos.experiments.qadam_variants", "QAdam's variants trained side by side"),
+    "exchange-order-benchmark": ("bagua_algos.experiments.exchange_order_benchmark",
+                                 "neighbour exchanges posted in several orders against an allreduce"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top level's parser: ``--help`` lists the commands (each parses its own flags)."""
+    width = max(map(len, COMMANDS))
+    listing = "\n".join(f"  {name.ljust(width)}  {help_}" for name, (_, help_) in COMMANDS.items())
+    parser = argparse.ArgumentParser(
+        prog="bagua-algos", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Bagua-style data-parallel training algorithms: the experiments and benchmarks.",
+        epilog=f"commands:\n{listing}\n\n'bagua-algos COMMAND --help' lists a command's flags.")
+    parser.add_argument("command", metavar="COMMAND", help="one of: " + ", ".join(COMMANDS))
+    parser.add_argument("args", nargs="*", metavar="ARGS", help="the command's flags and arguments")
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        parser.error(f"argument COMMAND: invalid choice: {name!r} (choose from {', '.join(COMMANDS)})")
+    module = importlib.import_module(COMMANDS[name][0])
+    code = module.main(rest)
+    return code if isinstance(code, int) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,14 @@
+"""The heterogeneity sweep: every algorithm × topology × Dirichlet α on N local workers
+(``bagua-algos sweep``, ``python benchmarks/heterogeneity_sweep.py``).
+
+One module per concern:
+
+- ``cli``: the flags, their checks (engine, jobs, memory, ``--resume``) and ``main``;
+- ``runs``: one run on either engine through the experiments' training loop
+  (:mod:`bagua_algos.experiments.training`) and every run of the sweep in turn;
+- ``schedule``: how many runs train at a time (idle CPUs) and the pool that trains them;
+- ``runlog``: ``runs.jsonl``, each finished run kept as it ends, and ``--resume``;
+- ``report``: the best run per (config, α), the table, ``results.csv`` and ``results.json``;
+- ``plots``: accuracy against epochs and the workers' class histograms;
+- ``memory``: the memory a run needs and what the machine has.
+"""

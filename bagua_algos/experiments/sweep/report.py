@@ -1,0 +1,110 @@
+"""The sweep's report: the best run of each (config, α), the table printed at the end,
+``results.csv`` and ``results.json`` (the plots are :mod:`bagua_algos.experiments.sweep.plots`).
+
+A column of the table and the CSV is one entry of :data:`TABLE_COLUMNS` (title, the
+run record's field, format): a new reported quantity is a field of the run's record
+(``runs.run_result``) and a row here.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from bagua_algos.experiments.sweep.plots import plot_accuracy, plot_histograms
+
+__all__ = ["COMMAND_ENV", "TABLE_COLUMNS", "config_label", "best_runs", "make_report", "format_table",
+           "write_outputs", "write_report"]
+
+# The user's command line, kept by the parent for the workers of --engine processes to report.
+COMMAND_ENV = "HETEROGENEITY_SWEEP_COMMAND"
+
+
+def config_label(config) -> str:
+    """``relay (double_binary_tree)``, ``decentralized (ring)``, ``decentralized (all)``."""
+    kwargs = config.kwargs
+    if "topology" in kwargs:
+        return f"{config.name} ({kwargs['topology']})"
+    if "peer_selection_mode" in kwargs:
+        return f"{config.name} ({kwargs['peer_selection_mode']})"
+    if config.name == "powersgd":
+        return f"powersgd (rank {kwargs.get('rank', 1)})"
+    if config.name == "terngrad":
+        clip = kwargs.get("clip")
+        return f"terngrad ({kwargs.get('bits', 2)} bits{f', clip {clip}' if clip is not None else ''})"
+    return config.name
+
+
+def write_report(args, runs, failed, started) -> None:
+    report = make_report(args, runs, args.workers, time.perf_counter() - started)
+    report["failed_runs"] = failed
+    write_outputs(args, report)
+
+
+def best_runs(runs: list[dict]) -> list[dict]:
+    """Per (config, α), the run with the best final averaged-model accuracy."""
+    best: dict = {}
+    for run in runs:
+        key = (run["config"], run["alpha"])
+        if key not in best or run["final_averaged_model_accuracy"] > best[key]["final_averaged_model_accuracy"]:
+            best[key] = run
+    return list(best.values())
+
+
+def make_report(args, runs, world_size: int, seconds: float) -> dict:
+    import torch
+
+    command = os.environ.get(COMMAND_ENV) or " ".join([Path(sys.executable).name, *sys.argv])
+    settings = {k: v for k, v in vars(args).items() if k not in ("parsed_configs", "loaded_data", "jobs_chosen")}
+    return {
+        "command": command,
+        "settings": settings,
+        "world_size": world_size,
+        "engine": args.engine,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "seconds": seconds,
+        "results": best_runs(runs),
+        "all_runs": runs,
+    }
+
+
+TABLE_COLUMNS = [
+    ("algorithm (topology)", "label", "{}"),
+    ("alpha", "alpha", "{:g}"),
+    ("lr", "lr", "{:g}"),
+    ("min worker acc", "final_min_worker_accuracy", "{:.4f}"),
+    ("mean worker acc", "final_mean_worker_accuracy", "{:.4f}"),
+    ("averaged model acc", "final_averaged_model_accuracy", "{:.4f}"),
+]
+
+
+def format_table(rows: list[dict]) -> str:
+    cells = [[fmt.format(row[key]) for _, key, fmt in TABLE_COLUMNS] for row in rows]
+    widths = [max(len(title), *(len(c[i]) for c in cells)) for i, (title, _, _) in enumerate(TABLE_COLUMNS)]
+    line = lambda values: "  ".join(v.ljust(w) for v, w in zip(values, widths))  # noqa: E731
+    return "\n".join([line([t for t, _, _ in TABLE_COLUMNS]), line(["-" * w for w in widths])] + [line(c) for c in cells])
+
+
+def write_outputs(args, report: dict) -> None:
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = sorted(report["results"], key=lambda r: (-r["alpha"], r["label"]))
+    with open(out / "results.json", "w") as f:
+        json.dump(report, f, indent=1)
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([key for _, key, _ in TABLE_COLUMNS] + ["config", "seconds"])
+        for row in rows:
+            writer.writerow([row[key] for _, key, _ in TABLE_COLUMNS] + [row["config"], f"{row['seconds']:.1f}"])
+    plot_accuracy(rows, out / "accuracy_vs_epoch.png", report)
+    plot_histograms(rows, out / "class_histograms.png")
+    print(f"\n{report['command']}\n{report['world_size']} workers ({report['engine']} engine), {args.dataset}, "
+          f"{args.model}, {args.epochs} epochs, {report['seconds']:.0f} s\n")
+    print(format_table(rows))
+    print(f"\nwritten: {out / 'results.csv'}, {out / 'results.json'}, {out / 'accuracy_vs_epoch.png'}, "
+          f"{out / 'class_histograms.png'}")

@@ -1,0 +1,241 @@
+"""The sweep's runs: one (config, α, learning rate) trained on either engine, and every
+run of the sweep in turn (``--resume``'s log, ``--jobs`` at a time, the report).
+
+Both engines train through :func:`bagua_algos.experiments.training.train_epochs` with the
+same data, model, optimizer and schedule, and report the same fields (:func:`run_result`)
+from each worker's and the averaged model's test accuracy: ``--engine sim`` all
+``--workers`` stacked in this process (:func:`train_stacked`, bagua_algos.engine),
+``--engine processes`` one worker per process of a launched job (:func:`train_one`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import torch
+
+from bagua_algos.engine import Engine, refusal
+from bagua_algos.engine.data import WorkerShares
+from bagua_algos.experiments.data import build_model, load_data
+from bagua_algos.experiments.sweep.report import config_label, write_report
+from bagua_algos.experiments.sweep.runlog import RunLog, read_previous_runs, run_key
+from bagua_algos.experiments.sweep.schedule import run_jobs
+from bagua_algos.experiments.training import ProcessWorker, StackedWorkers, train_epochs
+from bagua_algos.runtime.bucket import DEFAULT_BUCKET_SIZE
+
+__all__ = ["Diverged", "run_result", "stacked_config_error", "train_stacked", "train_one", "Evaluator", "accuracy",
+           "run_worker", "run_sim", "one_run", "run_all"]
+
+
+class Diverged(RuntimeError):
+    """A worker's training loss is not finite: the run stops, the sweep goes on."""
+
+
+def run_result(workers, curve_min, curve_avg, curve_loss, started: float, class_histogram) -> dict:
+    """The fields of one run of the sweep, the same from both engines: the last epoch's
+    accuracy of every worker, the curves per epoch, the seconds since ``started``
+    (``time.perf_counter()``) and the per-worker class counts."""
+    return {
+        "final_min_worker_accuracy": curve_min[-1],
+        "final_mean_worker_accuracy": sum(workers) / len(workers),
+        "final_averaged_model_accuracy": curve_avg[-1],
+        "worker_accuracies": workers,
+        "curve_min_worker_accuracy": curve_min,
+        "curve_averaged_model_accuracy": curve_avg,
+        "curve_train_loss": curve_loss,
+        "seconds": time.perf_counter() - started,
+        "class_histogram": np.asarray(class_histogram).tolist(),
+    }
+
+
+def _result(curves, workers: int, started: float, class_histogram) -> dict:
+    """``run_result`` of ``train_epochs``' curves, or :class:`Diverged` naming the first
+    worker whose epoch loss is not finite."""
+    diverged = curves.diverged
+    if diverged is not None:
+        bad = diverged.bad_workers
+        raise Diverged(f"worker {bad[0]}'s training loss is {diverged.losses[bad[0]].item()} in epoch "
+                       f"{diverged.epoch} ({len(bad)} of {workers} workers not finite)")
+    last = curves.worker_accuracy[-1] if curves.worker_accuracy else []
+    return run_result(last, curves.min_worker_accuracy, curves.averaged_accuracy, curves.train_loss, started,
+                      class_histogram)
+
+
+def stacked_config_error(config) -> str | None:
+    """Why ``config`` cannot run on the engine (None when it can)."""
+    algorithm = config.build_algorithm()
+    why = refusal(algorithm)
+    return None if why is None else f"the one-process engine does not run {type(algorithm).__name__}: {why}"
+
+
+def train_stacked(args, data, config, alpha: float, lr: float, make_model) -> dict:
+    """One run of the sweep on the engine; the same fields as :func:`train_one`'s."""
+    torch.manual_seed(args.seed)
+    module = make_model()
+    if config.is_qadam:  # QAdam owns its optimizer: the engine builds it on the stacked parameter
+        algorithm = config.build_algorithm(config.build_qadam_optimizer(module.parameters(), lr=lr))
+        optimizer = None
+    else:
+        algorithm = config.build_algorithm()
+        optimizer = lambda params: torch.optim.SGD(  # noqa: E731
+            params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    engine = Engine(module, args.workers, algorithm, optimizer, device=data.train_x.device,
+                    bucket_size=config.wrap_kwargs.get("bucket_size", DEFAULT_BUCKET_SIZE))
+    shares = WorkerShares(data.train_y.cpu(), args.workers, alpha, args.seed)
+    workers = StackedWorkers(engine, data, lambda epoch: shares.batches(epoch, args.batch_size,
+                                                                        device=data.train_x.device))
+    started = time.perf_counter()
+    curves = train_epochs(workers, args.epochs, args.max_steps_per_epoch)
+    return _result(curves, args.workers, started, shares.class_histogram())
+
+
+def accuracy(model, x, y, batch: int = 1000) -> float:
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for start in range(0, len(x), batch):
+            correct += int((model(x[start:start + batch]).argmax(1) == y[start:start + batch]).sum())
+    model.train()
+    return correct / len(x)
+
+
+class Evaluator:
+    """Test accuracy of every worker's model and of the averaged model, on every rank."""
+
+    def __init__(self, data, make_model):
+        self.data = data
+        self.average_model = make_model()
+
+    def __call__(self, model) -> tuple[list[float], float]:
+        from bagua_algos.runtime import comm
+
+        mine = accuracy(model, self.data.test_x, self.data.test_y)
+        everyone = torch.zeros(comm.get_world_size(), dtype=torch.float64)  # CPU tensors: over gloo in any job
+        comm.allgather(torch.tensor([mine], dtype=torch.float64), everyone)
+        with torch.no_grad():
+            flat = torch.nn.utils.parameters_to_vector(model.parameters()).clone()
+            comm.allreduce_inplace(flat, comm.ReduceOp.AVG)
+            torch.nn.utils.vector_to_parameters(flat, self.average_model.parameters())
+        return everyone.tolist(), accuracy(self.average_model, self.data.test_x, self.data.test_y)
+
+
+def train_one(args, data, config, alpha: float, lr: float, evaluator) -> dict:
+    """One run of the sweep on this worker of a launched job (``--engine processes``)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from bagua_algos.runtime import comm
+    from samplers import DistributedHeterogeneousSampler
+
+    rank, world = comm.get_rank(), comm.get_world_size()
+    torch.manual_seed(args.seed)
+    model = build_model(data, args.model).to(data.train_x.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    model.with_bagua([optimizer], config.build_algorithm(), **config.wrap_kwargs)
+    sampler = DistributedHeterogeneousSampler(
+        TensorDataset(data.train_x, data.train_y), num_replicas=world, rank=rank,
+        alpha=alpha, seed=args.seed, labels=data.train_y.cpu(),
+    )
+    loader = DataLoader(TensorDataset(data.train_x, data.train_y), batch_size=args.batch_size, sampler=sampler)
+    started = time.perf_counter()
+    curves = train_epochs(ProcessWorker(model, optimizer, loader, sampler, evaluator), args.epochs,
+                          args.max_steps_per_epoch)
+    model.bagua_ddp.detach()  # also on a NaN: every rank stops together (the losses are allgathered)
+    return _result(curves, world, started, sampler.class_histogram())
+
+
+def run_worker(args) -> None:
+    from bagua_algos.runtime import comm
+
+    torch.set_num_threads(1)
+    comm.init_process_group(backend="gloo" if args.device == "cpu" else "nccl")
+    rank = comm.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    data = load_data(args.dataset, args.data_dir, args.seed).to(device)
+    evaluator = Evaluator(data, lambda: build_model(data, args.model).to(device))
+    train = lambda config, alpha, lr: train_one(args, data, config, alpha, lr, evaluator)  # noqa: E731
+    run_all(args, train, show=rank == 0)
+    comm.barrier()
+    comm.destroy_process_group()
+
+
+def run_sim(args) -> None:
+    """The sweep on the one-process engine: every run's workers stacked on args.device."""
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    data = args.loaded_data.to(device)
+    make_model = lambda: build_model(data, args.model)  # noqa: E731
+    if args.jobs > 1:  # torch.optim's optimizers import it when first used (about 1 s): once here, not in every job
+        import torch._dynamo as _dynamo  # noqa: F401
+    run_all(args, lambda config, alpha, lr: train_stacked(args, data, config, alpha, lr, make_model), show=True,
+            jobs=args.jobs)
+
+
+def one_run(train, config, alpha: float, lr: float) -> dict:
+    """The record of one run: its settings and ``train``'s fields, or its ``"error"``
+    when a worker's loss turned NaN."""
+    record = {"algorithm": config.name, "label": config_label(config), "config": config.spec, "alpha": alpha, "lr": lr}
+    try:
+        return {**record, **train(config, alpha, lr)}
+    except Diverged as err:
+        return {**record, "error": str(err)}
+
+
+def run_all(args, train, show: bool, jobs: int = 1) -> None:
+    """Every (α, config, lr) run through ``train``, but those ``--resume`` finds done;
+    ``jobs`` of them at a time (:func:`bagua_algos.experiments.sweep.schedule.run_jobs`).
+    A run whose loss turns NaN is reported with its worker and the sweep goes on. Where
+    ``show``, each run is appended to the run log as it ends, and the outputs are
+    written with whatever finished (on Ctrl-C too), the runs in the order of the sweep
+    whatever ``jobs``."""
+    lrs = args.lr_grid or [args.lr]
+    previous = read_previous_runs(args) if args.resume else []
+    done = {run_key(r) for r in previous}
+    log = RunLog(args, previous) if show else None
+    pending = [(c, a, lr) for a in args.alphas for c in args.parsed_configs for lr in lrs
+               if run_key({"config": c.spec, "alpha": a, "lr": lr}) not in done]
+    runs = [r for r in previous if "error" not in r]
+    failed = [r for r in previous if "error" in r]
+    if show and previous:
+        print(f"heterogeneity_sweep: resuming: {len(previous)} runs from {log.path}, {len(pending)} to go",
+              file=sys.stderr)
+    bar = None
+    if show and not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(pending), desc=f"sweep ({args.engine})", unit="run", file=sys.stderr)
+    started = time.perf_counter()
+    finished: dict = {}  # job index -> its record
+    try:
+        for index, outcome in run_jobs(lambda job: one_run(train, *job), pending, jobs):
+            finished[index] = outcome
+            if "error" in outcome and show:
+                print(f"\nstopped {outcome['config']!r} alpha={outcome['alpha']:g} lr={outcome['lr']:g}: "
+                      f"{outcome['error']}", file=sys.stderr)
+            if log is not None:
+                log.append(outcome)
+            if bar is not None:
+                bar.set_postfix_str(f"{outcome['label']} alpha={outcome['alpha']:g} lr={outcome['lr']:g} done")
+                bar.update()
+    except KeyboardInterrupt:
+        runs, failed = in_order(runs, failed, finished)
+        if show:
+            print(f"\ninterrupted: {len(runs) + len(failed)} runs are in {log.path}; the same command with --resume "
+                  "goes on from there", file=sys.stderr)
+            if runs:
+                write_report(args, runs, failed, started)
+        raise SystemExit(130) from None
+    finally:
+        if bar is not None:
+            bar.close()
+    runs, failed = in_order(runs, failed, finished)
+    if show:
+        write_report(args, runs, failed, started)
+
+
+def in_order(runs: list, failed: list, finished: dict) -> tuple:
+    """The runs and failed runs so far, the ``finished`` ones (job index -> record)
+    after the earlier ones in the order of the jobs."""
+    ordered = [finished[i] for i in sorted(finished)]
+    return runs + [r for r in ordered if "error" not in r], failed + [r for r in ordered if "error" in r]

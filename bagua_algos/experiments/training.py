@@ -63,6 +63,12 @@ class Curves:
     def min_worker_accuracy(self) -> list:
         return [min(workers) for workers in self.worker_accuracy]
 
+    @property
+    def mean_worker_accuracy(self) -> list:
+        """The mean over workers of their own models' accuracy: what the decentralized
+        papers report (each worker evaluates its own parameters)."""
+        return [sum(workers) / len(workers) for workers in self.worker_accuracy]
+
 
 class StackedWorkers:
     """n workers stacked on the engine. ``batches(epoch)`` yields ``[n, batch]`` index

@@ -13,9 +13,11 @@ worker's model and of the averaged model (1/n) Σ_i x_i. Rank 0 prints a table a
 writes ``results.csv``, ``results.json``, ``accuracy_vs_epoch.png`` (one panel per α,
 a curve per algorithm and topology, like Figures 5.1–5.3 of the RelaySGD thesis) and
 ``class_histograms.png`` (the per-worker label counts of each α) into ``--out-dir``.
-With ``--lr-grid`` every configuration is trained with each learning rate and the
-one with the best final averaged-model accuracy is reported, as the thesis tuned it
-(Appendix A); every run is kept in ``results.json``. Each run is also appended to
+The headline is the workers' own models (the mean over workers, and the worst), the
+quantity the decentralized papers report; the averaged model, which no worker holds, is
+reported beside it. With ``--lr-grid`` every configuration is trained with each learning
+rate and the one with the best final workers' mean accuracy is reported, as the
+papers tuned per row (RelaySGD thesis, Appendix A); every run is kept in ``results.json``. Each run is also appended to
 ``runs.jsonl`` the moment it ends, so a sweep stopped halfway (a crash, Ctrl-C, a
 preempted machine) goes on from there with ``--resume`` (``bagua_algos/experiments/sweep/runlog.py``).
 """

@@ -18,14 +18,17 @@ def plot_accuracy(rows: list[dict], path: Path, report: dict) -> None:
     fig, axes = plt.subplots(1, len(alphas), figsize=(5 * len(alphas), 4), sharey=True, squeeze=False)
     for ax, alpha in zip(axes[0], alphas):
         for row in (r for r in rows if r["alpha"] == alpha):
-            epochs = range(1, len(row["curve_averaged_model_accuracy"]) + 1)
-            line, = ax.plot(epochs, row["curve_averaged_model_accuracy"], label=f"{row['label']} (lr {row['lr']:g})")
+            epochs = range(1, len(row["curve_min_worker_accuracy"]) + 1)
+            line, = ax.plot(epochs, row.get("curve_mean_worker_accuracy") or row["curve_min_worker_accuracy"],
+                            label=f"{row['label']} (lr {row['lr']:g})")
             ax.plot(epochs, row["curve_min_worker_accuracy"], color=line.get_color(), linestyle=":", alpha=0.7)
+            ax.plot(epochs, row["curve_averaged_model_accuracy"], color=line.get_color(), linestyle="--",
+                    alpha=0.5, linewidth=0.8)
         ax.set_title(f"alpha = {alpha:g}")
         ax.set_xlabel("epoch")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("test accuracy")
-    fig.text(0.5, 0.005, "solid: averaged model; dotted: worst worker", ha="center", fontsize=8)
+    fig.text(0.5, 0.005, "solid: the workers' own models (mean); dotted: worst worker; dashed: the averaged model", ha="center", fontsize=8)
     axes[0][-1].legend(fontsize=7, loc="lower right")
     fig.suptitle(f"{report['world_size']} workers, {report['settings']['dataset']}")
     fig.tight_layout()

@@ -33,15 +33,18 @@ class Diverged(RuntimeError):
     """A worker's training loss is not finite: the run stops, the sweep goes on."""
 
 
-def run_result(workers, curve_min, curve_avg, curve_loss, started: float, class_histogram) -> dict:
+def run_result(workers, curve_min, curve_avg, curve_loss, started: float, class_histogram,
+               curve_mean=None) -> dict:
     """The fields of one run of the sweep, the same from both engines: the last epoch's
-    accuracy of every worker, the curves per epoch, the seconds since ``started``
-    (``time.perf_counter()``) and the per-worker class counts."""
+    accuracy of every worker, the curves per epoch (the workers' own models: their mean
+    and the worst; the averaged model (1/n) Σ x_i beside them), the seconds since
+    ``started`` (``time.perf_counter()``) and the per-worker class counts."""
     return {
-        "final_min_worker_accuracy": curve_min[-1],
         "final_mean_worker_accuracy": sum(workers) / len(workers),
+        "final_min_worker_accuracy": curve_min[-1],
         "final_averaged_model_accuracy": curve_avg[-1],
         "worker_accuracies": workers,
+        "curve_mean_worker_accuracy": curve_mean if curve_mean is not None else [],
         "curve_min_worker_accuracy": curve_min,
         "curve_averaged_model_accuracy": curve_avg,
         "curve_train_loss": curve_loss,
@@ -60,7 +63,7 @@ def _result(curves, workers: int, started: float, class_histogram) -> dict:
                        f"{diverged.epoch} ({len(bad)} of {workers} workers not finite)")
     last = curves.worker_accuracy[-1] if curves.worker_accuracy else []
     return run_result(last, curves.min_worker_accuracy, curves.averaged_accuracy, curves.train_loss, started,
-                      class_histogram)
+                      class_histogram, curves.mean_worker_accuracy)
 
 
 def stacked_config_error(config) -> str | None:

@@ -69,3 +69,19 @@ def test_the_codec_example_gives_the_seeds_header(tmp_path, capsys):
         rows = {r["quantity"]: r for r in csv.DictReader(f)}
     assert rows["header: bits, tail, min, max"]["ours"] == "2, 1, -5, 7"
     assert rows["payload, nearest rounding"]["ours"].startswith("[35, 104]")
+
+
+def test_relaysum_table2_sets_the_papers_numbers_beside_the_workers_models(tmp_path, capsys):
+    """At a reduced size (4 workers, 1 epoch of 2 steps): every row of the paper's table at
+    every α, the paper's number beside ours, ours the workers' own models."""
+    reproduce.main(["relaysum-table2", "--seeds", "1", "--epochs", "1", "--max-steps", "2", "--workers", "4",
+                    "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "paper (workers' models)" in out and "53.9%" in out  # D-PSGD (ring) at alpha 0.01
+    with open(tmp_path / "relaysum-table2.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 3 * len(reproduce.RELAYSUM_TABLE2)
+    assert {r["method"] for r in rows} == {method for method, _ in reproduce.RELAYSUM_TABLE2.values()}
+    for r in rows:
+        assert 0.0 <= float(r["worst_worker_accuracy"]) <= float(r["workers_accuracy_mean"]) <= 1.0
+    assert (tmp_path / "relaysum-table2.png").stat().st_size > 0

@@ -309,14 +309,20 @@ def compare(ctx: Context, family: dict, rows: list[Row], seed_columns: list[str]
             continue
         row_setting = setting if row.optimizer_momentum is None else setting.with_(momentum=row.optimizer_momentum)
         lr = row_setting.lr
-        if row.lr_grid:  # tuned on the first seed's final test accuracy, as the seed tuned these rows apart
-            trials = {g: rt.train(row_setting, data, config, ctx.seeds[0], g, ctx.device) for g in row.lr_grid}
-            lr = max(trials, key=lambda g: -1 if trials[g].diverged else trials[g].final_accuracy)
-            print(f"   {row.label}: lr tuned over {list(row.lr_grid)} -> {lr:g}")
+        trials: dict = {}
+        if row.lr_grid:
+            # tuned apart, as the seed tuned these rows, on the mean final accuracy over
+            # every seed (a diverged run counts −1): a rate one seed survives and another
+            # does not (Random Block, Random K near their stability limit) is not chosen
+            for g in row.lr_grid:
+                trials[g] = [rt.train(row_setting, data, config, seed, g, ctx.device) for seed in ctx.seeds]
+            lr = max(trials, key=lambda g: statistics.mean(-1 if r.diverged else r.final_accuracy
+                                                           for r in trials[g]))
+            print(f"   {row.label}: lr tuned over {list(row.lr_grid)} on {len(ctx.seeds)} seeds -> {lr:g}")
         lrs[row.label] = lr
         runs[row.label] = []
-        for seed in ctx.seeds:
-            run = rt.train(row_setting, data, config, seed, lr, ctx.device)
+        for k, seed in enumerate(ctx.seeds):
+            run = trials[lr][k] if trials else rt.train(row_setting, data, config, seed, lr, ctx.device)
             runs[row.label].append(run)
             accuracy = "diverged" if run.diverged else f"{100 * run.final_accuracy:.1f}%"
             print(f"   {row.label} seed {seed}: {accuracy} "
@@ -337,9 +343,16 @@ def compare(ctx: Context, family: dict, rows: list[Row], seed_columns: list[str]
             table.append(cells + ["not yet in the package"])
             continue
         mean, low, high = rt.spread([r.final_accuracy for r in runs[row.label]])
+        worst = rt.spread([r.final_worst_worker_accuracy for r in runs[row.label]])[0]
+        averaged = rt.spread([r.final_averaged_accuracy for r in runs[row.label]])[0]
+        record.update({"workers_accuracy_worst": worst, "averaged_model_accuracy": averaged})
         record.update({"test_accuracy_mean": mean, "test_accuracy_min": low, "test_accuracy_max": high,
                        "lr": lrs[row.label], "seeds": len(ctx.seeds)})
         cells.append(pct(mean, low, high))
+        # the worst worker's and the averaged model's (mean over seeds): equal to the
+        # headline for an algorithm that keeps every worker's model equal
+        cells.append("same" if math.isclose(worst, mean, abs_tol=1e-9) and math.isclose(averaged, mean, abs_tol=1e-9)
+                     else f"{100 * worst:.1f}% | {100 * averaged:.1f}%")
         if lr_label:
             cells.append(f"{lrs[row.label]:g}")
         if data_column:
@@ -355,7 +368,8 @@ def compare(ctx: Context, family: dict, rows: list[Row], seed_columns: list[str]
             cells.append(f"{step_ms:.1f} ms ({t_mean:.2f}x [{t_low:.2f}, {t_high:.2f}])")
         out_rows.append(record)
         table.append(cells)
-    columns = ["method"] + [f"seed: {c}" for c in seed_columns] + ["ours: test acc (mean [min, max])"]
+    columns = ["method"] + [f"seed: {c}" for c in seed_columns] + [
+        "ours: workers' test acc (mean over workers; mean [min, max] over seeds)", "worst worker | averaged model"]
     if lr_label:
         columns.append("ours: lr")
     if data_column:
@@ -366,7 +380,7 @@ def compare(ctx: Context, family: dict, rows: list[Row], seed_columns: list[str]
     print_table(columns, table)
     print(f"\n   wrote {ctx.write_csv(out_rows)}")
     if curves:
-        key, label = {"accuracy": ("test_accuracy", "test accuracy (averaged model)"),
+        key, label = {"accuracy": ("test_accuracy", "test accuracy (the workers' models, mean)"),
                       "loss": ("train_loss", "training loss")}[curves]
         plot_curves(ctx.path(".png"), {k: [getattr(r, key) for r in v] for k, v in runs.items()}, label,
                     f"{ctx.experiment.source}, {ctx.scale} scale: {setting.describe()}")
@@ -824,10 +838,7 @@ def sweep(ctx, labels, lr_grid=LR_GRID) -> list[dict]:
     5.1-5.3 are those runs' best rates, so the four commands share one sweep per seed (a
     later command reuses one whose arguments match exactly). At the seed scale a command
     sweeps its own rows only (each is GPU-hours)."""
-    import hashlib
-
     from bagua_algos.algorithms.table import config_by_label
-    from bagua_algos.experiments.sweep import cli as hs
     from bagua_algos.experiments.common import config_spec
 
     proxy = ctx.scale == "proxy"
@@ -850,12 +861,26 @@ def sweep(ctx, labels, lr_grid=LR_GRID) -> list[dict]:
                "proxy: scikit-learn's digits (1437 training images) and a 2-layer MLP, batch 16, 30 epochs for "
                "both the grid and the figures, no augmentation, instead of CIFAR-10/VGG-11/50 and 200 epochs; "
                "D-PSGD is Bagua's 'all' mode without hierarchy (the thesis's 'fully connected')")
+    return sweep_seeds(ctx, base, swept, labels, "seed002_sweep")
+
+
+def sweep_seeds(ctx, base: list, swept: list, labels, prefix: str) -> list[dict]:
+    """The heterogeneity sweep with arguments ``base`` (the table rows ``swept``), once
+    per seed, each into ``--out`` / ``<prefix>_<hash of its arguments>_seed<S>``; a sweep
+    already there with the same arguments is reused. Returns every run of the rows in
+    ``labels``, each with its ``row`` label and ``seed``."""
+    import hashlib
+
+    from bagua_algos.algorithms.table import config_by_label
+    from bagua_algos.experiments.common import config_spec
+    from bagua_algos.experiments.sweep import cli as hs
+
     by_spec = {config_spec(config_by_label(label)): label for label in swept}
     runs = []
     for seed in ctx.seeds:
         argv = base + ["--seed", str(seed)]
         key = hashlib.sha1(" ".join(argv).encode()).hexdigest()[:10]
-        out = ctx.out / f"seed002_sweep_{key}_seed{seed}"
+        out = ctx.out / f"{prefix}_{key}_seed{seed}"
         if (out / "results.json").is_file():
             print(f"   seed {seed}: reusing the sweep in {out} (the same arguments)")
         else:
@@ -868,12 +893,15 @@ def sweep(ctx, labels, lr_grid=LR_GRID) -> list[dict]:
 
 
 def best_over_grid(runs, label, alpha):
-    """Per seed, the best final averaged-model accuracy over the lr grid, and its lr."""
+    """Per seed, the run with the best final workers' mean accuracy over the lr grid (the
+    sweep's headline, sweep/report.py's HEADLINE)."""
+    from bagua_algos.experiments.sweep.report import HEADLINE
+
     best = {}
     for run in runs:
         if run["row"] == label and run["alpha"] == alpha:
             s = run["seed"]
-            if s not in best or run["final_averaged_model_accuracy"] > best[s]["final_averaged_model_accuracy"]:
+            if s not in best or run[HEADLINE] > best[s][HEADLINE]:
                 best[s] = run
     return list(best.values())
 
@@ -885,26 +913,28 @@ def seed002_figure(ctx, labels, title):
     for alpha in ALPHAS:
         for label in labels:
             best = best_over_grid(runs, label, alpha)
-            mean, low, high = rt.spread([r["final_averaged_model_accuracy"] for r in best])
+            mean, low, high = rt.spread([r["final_mean_worker_accuracy"] for r in best])
             seed_acc, seed_lr = thesis_best(label, alpha)
             lrs = sorted({r["lr"] for r in best})
             rows.append({"row": label, "alpha": alpha, "seed_best_acc_50_epochs": seed_acc, "seed_lr": seed_lr,
                          "ours_mean": mean, "ours_min": low, "ours_max": high, "ours_lrs": lrs,
-                         "ours_worst_worker_mean": rt.spread([r["final_min_worker_accuracy"] for r in best])[0]})
+                         "ours_worst_worker_mean": rt.spread([r["final_min_worker_accuracy"] for r in best])[0],
+                         "ours_averaged_model_mean": rt.spread([r["final_averaged_model_accuracy"] for r in best])[0]})
             table.append([f"{alpha:g}", label, f"{100 * seed_acc:.2f}% (lr {seed_lr:g})", pct(mean, low, high),
-                          f"{100 * rows[-1]['ours_worst_worker_mean']:.1f}%", ",".join(f"{g:g}" for g in lrs)])
+                          f"{100 * rows[-1]['ours_worst_worker_mean']:.1f}%",
+                          f"{100 * rows[-1]['ours_averaged_model_mean']:.1f}%", ",".join(f"{g:g}" for g in lrs)])
             # one panel per alpha, as the thesis draws them: per row, each seed's best run
             for i, r in enumerate(sorted(best, key=lambda r: r["seed"])):
                 per_seed = series.setdefault(label, [])
                 if len(per_seed) <= i:
                     per_seed.append({})
-                per_seed[i][f"alpha={alpha:g}"] = r["curve_averaged_model_accuracy"]
+                per_seed[i][f"alpha={alpha:g}"] = r.get("curve_mean_worker_accuracy") or r["curve_min_worker_accuracy"]
     print()
-    print_table(["alpha", "row", "seed: best of grid (50 ep.)", "ours: averaged model, best lr", "ours: worst worker",
-                 "ours: lr chosen"], table)
+    print_table(["alpha", "row", "seed: best of grid (50 ep.)", "ours: workers' models (mean), best lr",
+                 "ours: worst worker", "ours: averaged model", "ours: lr chosen"], table)
     print(f"\n   wrote {ctx.write_csv(rows)}")
     plot_curves(ctx.path(".png"), series, "", f"{title} ({ctx.scale} scale; best lr per seed, mean and min-max)",
-                panels=[(f"alpha={a:g}", f"test accuracy (averaged model), alpha={a:g}") for a in ALPHAS])
+                panels=[(f"alpha={a:g}", f"test accuracy (workers' models, mean), alpha={a:g}") for a in ALPHAS])
     print(f"   wrote {ctx.path('.png')}")
 
 
@@ -929,7 +959,7 @@ def seed002_table_a(ctx):
         for lr in LR_GRID:
             cells = [label, f"{lr:g}"]
             for alpha in ALPHAS:
-                mine = [r["final_averaged_model_accuracy"] for r in runs
+                mine = [r["final_mean_worker_accuracy"] for r in runs
                         if r["row"] == label and r["alpha"] == alpha and math.isclose(r["lr"], lr)]
                 mean, low, high = rt.spread(mine)
                 seed_acc = THESIS_A[label][lr][ALPHAS.index(alpha)]
@@ -940,6 +970,107 @@ def seed002_table_a(ctx):
     print()
     print_table(["row", "lr"] + [f"alpha={a:g}: seed | ours (mean)" for a in ALPHAS], table)
     print(f"\n   wrote {ctx.write_csv(rows)}")
+
+
+# ---------------------------------------------------------------- RelaySum paper, Table 2
+
+# Vogels et al. 2021 (RelaySum), the table seed 002 stands on: CIFAR-10, VGG-11, 16
+# workers, 3 seeds, about 200 epochs (epfml/relaysgd, paper-figures/table_2_cifar_results.ipynb);
+# each worker evaluates its own parameters, so these are the workers' models' accuracies.
+RELAYSUM_TABLE2 = {  # table row -> (the paper's method, its accuracy at α = 1, 0.1, 0.01)
+    "allreduce_average": ("all-reduce + momentum", (90.2, 90.2, 90.2)),
+    "relay_chain": ("RelaySum/Model (chain) + local momentum", (89.5, 89.2, 88.4)),
+    "relaysum_grad_chain": ("RelaySum/Grad (chain)", (88.8, 88.5, 83.5)),
+    "decentralized_ring": ("D-PSGD (ring)", (87.4, 79.9, 53.9)),
+    "decentralized_ring_qgm": ("D-PSGD (ring) + quasi-global momentum", (89.5, 84.8, 63.3)),
+    "d2_ring": ("D² (ring) + local momentum", (88.2, 88.5, 61.0)),
+}
+RELAYSUM_LR_GRID = {"proxy": (0.025, 0.05, 0.1), "seed": (0.025, 0.05, 0.1, 0.2)}
+RELAYSUM_PROXY = ("scikit-learn's digits (1437 training images), a 2-layer MLP, 16 workers x 16, 30 epochs, "
+                  "no augmentation, lr tuned per row, alpha and seed over {0.025, 0.05, 0.1}: the proxy on which "
+                  "the paper's ordering at alpha = 0.01 showed (docs/results.md), at seconds a run")
+
+
+def relaysum_table2(ctx):
+    """The RelaySum paper's Table 2 at the proxy scale (or the paper's with --scale seed):
+    every row at α ∈ {1, 0.1, 0.01}, the learning rate tuned per row, α and seed on the
+    workers' mean accuracy; the paper's numbers beside ours, the same quantity."""
+    labels = list(RELAYSUM_TABLE2)
+    proxy = ctx.scale == "proxy"
+    epochs = ctx.args.epochs or (30 if proxy else 200)
+    workers = ctx.args.workers or 16
+    grid = RELAYSUM_LR_GRID[ctx.scale]
+    from bagua_algos.algorithms.table import config_by_label
+    from bagua_algos.experiments.common import config_spec
+
+    base = ["--workers", str(workers), "--epochs", str(epochs), "--alphas", ",".join(f"{a:g}" for a in ALPHAS),
+            "--lr-grid", ",".join(f"{g:g}" for g in grid),
+            "--configs", ";".join(config_spec(config_by_label(label)) for label in labels), "--no-progress"]
+    if proxy:
+        base += ["--dataset", "digits", "--model", "mlp", "--batch-size", "16"]
+    else:
+        base += ["--dataset", "cifar10", "--data-dir", ctx.args.data_dir, "--model", "vgg11", "--batch-size", "32",
+                 "--device", "cuda" if ctx.device.type == "cuda" else "cpu", "--threads", str(torch.get_num_threads())]
+    if ctx.args.max_steps:
+        base += ["--max-steps-per-epoch", str(ctx.args.max_steps)]
+    ctx.header("CIFAR-10, VGG-11, 16 workers x 32, about 200 epochs, 3 seeds, lr tuned per row; each worker's "
+               "own model evaluated", f"heterogeneity_sweep {' '.join(base)} --seed S for S in {ctx.seeds}",
+               RELAYSUM_PROXY)
+    runs = sweep_seeds(ctx, base, labels, labels, "relaysum_table2_sweep")
+    rows, table, ours = [], [], {}
+    for alpha in ALPHAS:
+        for label in labels:
+            method, paper = RELAYSUM_TABLE2[label]
+            best = best_over_grid(runs, label, alpha)
+            mean, low, high = rt.spread([r["final_mean_worker_accuracy"] for r in best])
+            worst = rt.spread([r["final_min_worker_accuracy"] for r in best])[0]
+            averaged = rt.spread([r["final_averaged_model_accuracy"] for r in best])[0]
+            lrs = sorted({r["lr"] for r in best})
+            paper_acc = paper[ALPHAS.index(alpha)]
+            ours.setdefault(method, []).append(100 * mean)
+            rows.append({"method": method, "row": label, "alpha": alpha, "paper_workers_accuracy": paper_acc,
+                         "workers_accuracy_mean": mean, "workers_accuracy_min_over_seeds": low,
+                         "workers_accuracy_max_over_seeds": high, "worst_worker_accuracy": worst,
+                         "averaged_model_accuracy": averaged, "lrs": " ".join(f"{g:g}" for g in lrs),
+                         "seeds": len(best)})
+            table.append([f"{alpha:g}", method, f"{paper_acc:.1f}%", pct(mean, low, high), f"{100 * worst:.1f}%",
+                          f"{100 * averaged:.1f}%", ",".join(f"{g:g}" for g in lrs)])
+    print()
+    print_table(["alpha", "method", "paper (workers' models)", "ours: workers' models, mean [min, max] over seeds",
+                 "ours: worst worker", "ours: averaged model", "ours: lr chosen"], table)
+    print(f"\n   wrote {ctx.write_csv(rows)}")
+    series = {**{f"{m} (ours)": v for m, v in ours.items()},
+              **{f"{m} (paper)": [p for p in RELAYSUM_TABLE2[label][1]] for label, (m, _) in RELAYSUM_TABLE2.items()}}
+    plot_alpha(ctx.path(".png"), list(ALPHAS), series,
+               f"RelaySum paper Table 2 ({ctx.scale} scale): workers' models' test accuracy against alpha")
+    print(f"   wrote {ctx.path('.png')}")
+
+
+def plot_alpha(path: Path, alphas: list, series: dict, title: str) -> None:
+    """Accuracy (%) against α (log axis), one line per method; "(paper)" lines dashed in
+    the colour of the method's "(ours)" line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    colours = {}
+    for label, ys in series.items():
+        method, _, source = label.rpartition(" (")
+        style = "o-" if source == "ours)" else "x--"
+        line, = ax.plot(alphas, ys, style, label=label, color=colours.get(method), alpha=1.0 if style == "o-" else 0.6)
+        colours.setdefault(method, line.get_color())
+    ax.set_xscale("log")
+    ax.invert_xaxis()  # from IID (α = 1) to the most heterogeneous
+    ax.set_xlabel("Dirichlet alpha (smaller: more heterogeneous)")
+    ax.set_ylabel("test accuracy (%), the workers' own models")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    ax.set_title(textwrap.fill(title, 80), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # ------------------------------------------------------------------------------ seed 004
@@ -1131,6 +1262,10 @@ EXPERIMENTS = [
                seed002_table_a, "CIFAR-10 VGG-11, 8 workers x 32, 50 epochs, lr grid of 5",
                "no data augmentation (the sweep has none)",
                cost=SeedCost("vgg11", 225, 50, 8)),
+    Experiment("relaysum-table2", "RelaySum paper Table 2 (seed 002's source)",
+               "all-reduce, RelaySum/Model, RelaySum/Grad, D-PSGD, quasi-global momentum, D² x alpha, 16 workers",
+               relaysum_table2, "CIFAR-10 VGG-11, 16 workers x 32, 200 epochs, lr grid of 4",
+               cost=SeedCost("vgg11", 216, 200, 16)),
     Experiment("seed004-fig1", "seed 004 Figure 1 (and Figures 2-3: header and tail)",
                "the worked example of the 2-bit min-max codec", seed004_fig1, "the same (no data)",
                needs_data=False),

@@ -134,8 +134,12 @@ class Run:
     label: str
     seed: int
     lr: float
-    test_accuracy: list = field(default_factory=list)  # averaged model, after each epoch
+    # test accuracy after each epoch: the workers' own models (their mean: the headline,
+    # as the papers report it; and the worst), and the averaged model (1/n) Σ x_i beside
+    # them (the same for an algorithm that keeps every worker's model equal)
+    test_accuracy: list = field(default_factory=list)  # the workers' own models, mean over workers
     worst_worker_accuracy: list = field(default_factory=list)
+    averaged_accuracy: list = field(default_factory=list)
     train_loss: list = field(default_factory=list)  # mean over workers and the epoch's steps
     error_norm: list = field(default_factory=list)  # mean over workers of ||e_w||, after each epoch
     step_seconds: float = float("nan")  # median engine step (all workers), epochs 2 on
@@ -145,7 +149,16 @@ class Run:
 
     @property
     def final_accuracy(self) -> float:
+        """The last epoch's workers' mean accuracy (nan when the run diverged)."""
         return self.test_accuracy[-1] if self.test_accuracy and not self.diverged else float("nan")
+
+    @property
+    def final_averaged_accuracy(self) -> float:
+        return self.averaged_accuracy[-1] if self.averaged_accuracy and not self.diverged else float("nan")
+
+    @property
+    def final_worst_worker_accuracy(self) -> float:
+        return self.worst_worker_accuracy[-1] if self.worst_worker_accuracy and not self.diverged else float("nan")
 
 
 def _sync(device) -> None:
@@ -190,8 +203,9 @@ def train(setting: Setting, data, config: AlgorithmConfig, seed: int, lr: float 
     curves = train_epochs(StackedWorkers(engine, data, batches, batched_average=False), setting.epochs,
                           setting.max_steps_per_epoch, lr_at=lambda epoch, step: setting.lr_at(epoch + step / per_epoch),
                           time_steps=True, codec_refusal_diverges=True, after_epoch=read_error_norm)
-    run.test_accuracy = curves.averaged_accuracy
+    run.test_accuracy = curves.mean_worker_accuracy
     run.worst_worker_accuracy = curves.min_worker_accuracy
+    run.averaged_accuracy = curves.averaged_accuracy
     run.train_loss = curves.train_loss
     run.epoch_seconds = curves.epoch_seconds
     diverged = curves.diverged

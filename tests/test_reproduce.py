@@ -85,3 +85,13 @@ def test_relaysum_table2_sets_the_papers_numbers_beside_the_workers_models(tmp_p
     for r in rows:
         assert 0.0 <= float(r["worst_worker_accuracy"]) <= float(r["workers_accuracy_mean"]) <= 1.0
     assert (tmp_path / "relaysum-table2.png").stat().st_size > 0
+
+
+def test_diloco_h_trades_bytes_for_accuracy_at_a_reduced_size(tmp_path, capsys):
+    reproduce.main(["diloco-h", "--seeds", "1", "--epochs", "1", "--max-steps", "2", "--workers", "2",
+                    "--out", str(tmp_path)])
+    with open(tmp_path / "diloco-h.csv") as f:
+        rows = {r["method"]: r for r in csv.DictReader(f)}
+    sync = float(rows["synchronous (gradient allreduce)"]["bytes_per_step"])
+    assert [float(rows[f"DiLoCo H={h}"]["bytes_per_step"]) * h for h in reproduce.DILOCO_H] == [sync] * 4
+    assert all(0.0 <= float(r["test_accuracy_mean"]) <= 1.0 for r in rows.values())

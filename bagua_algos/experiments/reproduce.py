@@ -972,6 +972,46 @@ def seed002_table_a(ctx):
     print(f"\n   wrote {ctx.write_csv(rows)}")
 
 
+# ------------------------------------------------------------------ DiLoCo, H's trade-off
+
+DILOCO_H = (1, 10, 50, 200)
+# DiLoCo (Douillard et al. 2023) varies the number of inner steps H at a fixed compute
+# budget: fewer synchronisations cost little accuracy (its figure of H: 8 workers, H up to
+# 2000, against the synchronous baseline). The proxy: seed 001's MNIST MLP, 8 workers x 32,
+# 40 epochs (about 600 steps, so that H = 200 synchronises three times), constant lr.
+DILOCO = {
+    "seed": rt.Setting("cifar10", "resnet18", 8, 128, 100, lr=0.1, weight_decay=1e-4),
+    "proxy": rt.Setting("mnist", "mlp", 8, 32, 40, lr=0.1),
+}
+
+
+def diloco_h(ctx):
+    """DiLoCo at H ∈ {1, 10, 50, 200} against gradient allreduce (synchronous): the
+    workers' accuracy and each one's bytes per step, 4·d/H for DiLoCo (one allreduce of
+    the d-parameter pseudo-gradient every H steps) against 4·d every step."""
+    rows = [Row("synchronous (gradient allreduce)", "gradient_allreduce",
+                seed={"paper": "the baseline"})]
+    rows += [Row(f"DiLoCo H={h}", "diloco", {"sync_every": h},
+                 seed={"paper": "close to the baseline up to large H, degrading slowly"}) for h in DILOCO_H]
+    out = compare(ctx, DILOCO, rows, ["paper"], curves="accuracy",
+                  seed_text="the paper's C4 language model, 8 workers, H from 50 to 2000 at a fixed compute budget "
+                            "(its figure of H): a trend, no table of numbers",
+                  differs="proxy: MNIST subset and a 2-layer MLP, 8 workers x 32, 40 epochs, inner SGD with momentum "
+                          "0.9 (the paper's inner AdamW), the outer Nesterov SGD of DiLoCo's defaults (0.7, 0.9)")
+    setting = ctx.setting(DILOCO)
+    data = ctx.data(setting.dataset)
+    torch.manual_seed(0)
+    d = sum(p.numel() for p in rt.make_model(setting.model, data.image_shape, data.num_classes).parameters())
+    print()
+    table = []
+    for record in out:
+        h = next((k for k in DILOCO_H if record["method"] == f"DiLoCo H={k}"), 1)
+        record["bytes_per_step"] = 4 * d / h
+        table.append([record["method"], f"{4 * d / h / 2**10:.1f} KiB", f"{h}x fewer" if h > 1 else "as many"])
+    print_table(["method", "bytes per step, a worker", "against synchronous"], table)
+    print(f"\n   wrote {ctx.write_csv(out)}")
+
+
 # ---------------------------------------------------------------- RelaySum paper, Table 2
 
 # Vogels et al. 2021 (RelaySum), the table seed 002 stands on: CIFAR-10, VGG-11, 16
@@ -1262,6 +1302,10 @@ EXPERIMENTS = [
                seed002_table_a, "CIFAR-10 VGG-11, 8 workers x 32, 50 epochs, lr grid of 5",
                "no data augmentation (the sweep has none)",
                cost=SeedCost("vgg11", 225, 50, 8)),
+    Experiment("diloco-h", "DiLoCo (Douillard et al. 2023), its figure of H",
+               "the number of inner steps H in {1, 10, 50, 200} against synchronous training", diloco_h,
+               "CIFAR-10 ResNet-18, 8 workers x 128, 100 epochs",
+               cost=SeedCost("resnet18", 15, 100, 8)),
     Experiment("relaysum-table2", "RelaySum paper Table 2 (seed 002's source)",
                "all-reduce, RelaySum/Model, RelaySum/Grad, D-PSGD, quasi-global momentum, D² x alpha, 16 workers",
                relaysum_table2, "CIFAR-10 VGG-11, 16 workers x 32, 200 epochs, lr grid of 4",

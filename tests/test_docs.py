@@ -84,7 +84,8 @@ def named_paths(text: str):
     """(line, path) for every repository path ``text`` names: in inline code, a link
     target or a fenced block, a word with a directory in it that starts at a top-level
     entry of the repository or ends in a file extension (so `images/s` is not a path, nor
-    `.venv/bin/python`, which the install makes)."""
+    `.venv/bin/python`, which the install makes), and not under a git-ignored top-level
+    entry (`results/x.json`: output)."""
     found, fenced = [], False
     for number, line in enumerate(text.splitlines(), start=1):
         if line.startswith("```"):
@@ -94,6 +95,8 @@ def named_paths(text: str):
         for chunk in chunks:
             for word in re.split(r"[\s,;()\[\]'\"]+", chunk):
                 word = word.rstrip(".:")
+                if _ignored(word.split("/")[0]):
+                    continue  # an output a command writes (results/x.json), not the repository's
                 if _PATH.match(word) and (word.split("/")[0] in TOP_LEVEL or _EXTENSION.search(word) or word.endswith("/")):
                     found.append((number, word))
     return found
@@ -101,7 +104,7 @@ def named_paths(text: str):
 
 def test_named_paths_are_found_and_judged():
     text = ("see `bagua_algos/compression/orthogonalization.py` and `compression/orthogonalization.py`, "
-            "[a](docs/results.md), `images/s`, `.venv/bin/python`, https://x.org/a/b.py\n"
+            "[a](docs/results.md), `images/s`, `.venv/bin/python`, https://x.org/a/b.py, `results/x.json`\n"
             "```bash\npython benchmarks/netem.py --nodes 2\n```\n")
     assert [path for _, path in named_paths(text)] == [
         "bagua_algos/compression/orthogonalization.py", "compression/orthogonalization.py", "docs/results.md",

@@ -66,7 +66,7 @@ from bagua_algos.runtime.launch_flags import (BAGUA_ONLY_FLAGS, CONF, ENTRY_DEFA
                                               RDZV_CONF_KEYS, RDZV_TIMEOUT_KEY, RENDEZVOUS, RUN_PROG, SAME,
                                               SCRIPT, SHARE_STORE_ENV, STATIC, _dest, nnodes_text, rdzv_conf,
                                               rendezvous_backend, split_endpoint, torchrun_spelling)
-# the failure report; first_failure and _failure_summary are also read here by the tests
+# the failure report (first_failure and _failure_summary are also read through this module)
 from bagua_algos.runtime.launch_report import failure_summary, first_failure, rendezvous_failure  # noqa: F401
 
 _failure_summary = failure_summary
@@ -88,7 +88,6 @@ def _flag(container, *names: str, **kwargs) -> None:
             # default=SUPPRESS: the twin writes the destination only when it is given
             container.add_argument(torchrun_spelling(name), dest=action.dest, default=argparse.SUPPRESS,
                                    help=argparse.SUPPRESS, **twin_kwargs)
-
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:

@@ -247,7 +247,7 @@ def _message(call) -> str:
 
 @pytest.mark.parametrize("bad, match", BAD_MATRICES + BAD_BATCHES)
 def test_python_and_compiled_checks_say_the_same(cpu_ext, bad, match):
-    """Issue 17: one check in C++ (bindings.cpp, before dispatch, for every device) and
+    """Bad operands: one check in C++ (bindings.cpp, before dispatch, for every device) and
     the same words in Python (run first for GPU tensors): the same ValueError."""
     module = _loader.load("cpu")
     if "batches" in match:
@@ -323,8 +323,9 @@ def test_householder_torch_matches_the_extension(cpu_ext):
 
 
 def test_cuda_module_refuses_bad_input_with_the_cpu_words(cuda_ext_fn, cpu_ext, tmp_path):
-    """Issue 17: on a GPU the CUDA module refused nothing (the process crashed on r > m
-    or a 1-D tensor). In a child process, so a crash fails this test, not the session."""
+    """On a GPU the CUDA module once refused nothing (the process crashed on r > m
+    or a 1-D tensor): it must raise the same ValueErrors.
+    In a child process, so a crash fails this test, not the session."""
     script = (
         "import torch, cuda_ext\n"
         "from cuda_ext import _loader\n"
@@ -638,7 +639,7 @@ def _train_powersgd(method: str, steps: int = 25) -> torch.Tensor:
 
 
 def test_powersgd_householder_trains_like_torch_qr(cpu_ext):
-    """Issue 9: PowerSGD with the compiled Householder QR trains as with torch.linalg.qr
+    """PowerSGD with the compiled Householder QR trains as with torch.linalg.qr
     (both are Householder QR with LAPACK's sign convention, so Q agrees to rounding)."""
     householder = _train_powersgd("householder")
     reference = _train_powersgd("torch_qr")

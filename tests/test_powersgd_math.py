@@ -288,7 +288,7 @@ def test_benchmark_script_runs_tiny():
     assert float(row[1]) > 0 and float(row[2]) > 0 and float(row[3]) == pytest.approx(float(row[1]) / float(row[2]), rel=0.01)
 
 
-# --- at the GPU's pace (issue 19): batched products, CPU generator, no host waits ----------------
+# --- at the GPU's pace: batched products, CPU generator, no host waits ----------------
 def _bucket_views(shapes, seed, dtype=torch.float32, gap=0):
     """Gradients as views into one flat buffer (a flattened bucket), ``gap`` unused
     elements after each tensor (gap > 0 and varying sizes make same-shape members
@@ -451,7 +451,7 @@ def test_warm_start_keeps_the_previous_value_of_a_zero_column():
 
 
 def test_torch_hook_anchor_runs_on_cpu_when_cuda_is_visible(monkeypatch):
-    """Issue 19, item 6: torch's powerSGD_hook calls torch.cuda.synchronize(device) when
+    """torch's powerSGD_hook calls torch.cuda.synchronize(device) when
     CUDA is available, which torch refuses for a CPU device. The benchmark's guard (also
     used by tests/test_powersgd_algorithm.py) lets it run; simulated here."""
     import torch.distributed as dist
@@ -505,7 +505,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @needs_cuda
 @pytest.mark.parametrize("mode", list(MODES))
 def test_cuda_and_cpu_give_the_same_steps_from_one_seed(mode):
-    """Issue 19, item 4: the Q's are drawn on the CPU, so one seed gives the same steps
+    """The Q's are drawn on the CPU, so one seed gives the same steps
     on CPU and CUDA up to rounding (CPU's "auto" is torch_qr / Gram–Schmidt and CUDA's
     the compiled Householder QR; the update P Qᵀ does not depend on the Q's signs)."""
     options = psgd.PowerSGDOptions(**MODES[mode])
@@ -540,7 +540,7 @@ def test_cuda_and_cpu_give_the_same_steps_from_one_seed(mode):
 @needs_cuda
 @pytest.mark.parametrize("mode", list(MODES))
 def test_cuda_step_never_waits_for_the_gpu(mode):
-    """Issue 19, item 2: with torch's sync debug mode set to "error", any host
+    """With torch's sync debug mode set to "error", any host
     synchronization inside a step (.item(), a blocking copy, nonzero, ...) raises."""
     options = psgd.PowerSGDOptions(**MODES[mode])
     plan = psgd.make_plan(SHAPES, 4, 1.0)
@@ -567,7 +567,7 @@ def test_cuda_step_never_waits_for_the_gpu(mode):
 
 @needs_cuda
 def test_cuda_kernels_per_bucket_grow_with_shape_groups_not_matrices():
-    """Issue 19, item 1: one product per shape group (not per matrix) and one
+    """One product per shape group (not per matrix) and one
     orthogonalization launch per bucket (cuda_ext): a bucket of 4 shape groups launches
     as many kernels with 8 matrices as with 24."""
     import cuda_ext

@@ -1,4 +1,4 @@
-"""World size 1: the runtime skips what is an exact identity (issue 19.4).
+"""World size 1: the runtime skips what is an exact identity.
 
 With one worker a reduction, a gossip average or an asynchronous round leaves the
 tensors as they are; such ops say ``local_only`` and run on the marking thread with no

@@ -34,7 +34,7 @@ Methods (``METHODS``):
   only up to rounding becomes some unit column in both, not necessarily the same).
 - ``"auto"``: ``"householder"`` wherever the extension is loaded: on GPUs it is one
   launch for all matrices, and on CPU, once built, it takes 0.05–0.40× the time of
-  torch's per-layer loop on PowerSGD's P factors (docs/benchmarks.md, issues 9, 19, 27).
+  torch's per-layer loop on PowerSGD's P factors (docs/benchmarks.md, Orthogonalization).
   On GPUs :func:`prepare` loads it, building it the first time, and PowerSGD calls
   :func:`prepare` when it sets up its buckets, so a step never waits for a compiler. On
   CPU "auto" never builds it (its first build takes 70–170 s on a 2-core machine, more
@@ -42,7 +42,7 @@ Methods (``METHODS``):
   asked for explicitly, or ``prepare("householder", "cpu")``).
   Where it is not loaded (it cannot be built, or nothing prepared it): on GPUs the
   batched torch twin (never a loop over matrices); on CPU ``"torch_qr"`` for r ≥ 2 and
-  ``"gram_schmidt"`` for r = 1, the fastest torch methods there (issue 9). From r ≥
+  ``"gram_schmidt"`` for r = 1, the fastest torch methods there (measured). From r ≥
   ``WIDE_RANK`` ``"torch_qr"`` on every device.
 
 :func:`orthogonalize_batches_` orthogonalizes several batches of different shapes in
@@ -283,7 +283,7 @@ def _on_gpu(devices) -> bool:
 # Householder) instead of the compiled per-matrix one: the extension's one block (CPU:
 # one thread) per matrix and one column at a time is right for PowerSGD's thin P's
 # (r <= 8) and falls behind there: on the CPU 0.96-1.23x linalg.qr at r = 16 and
-# 1.6-2.4x at r = 128; on an H100 (issue 19) 5x at 4096 x 32 and 23x at 4096 x 128.
+# 1.6-2.4x at r = 128; on an H100 5x at 4096 x 32 and 23x at 4096 x 128.
 WIDE_RANK = 16
 
 
@@ -292,7 +292,7 @@ def _resolve(method: str, devices, rank=None) -> str:
     ``torch.linalg.qr`` on every device. Below it the compiled Householder QR on GPUs
     (where it cannot be built, its batched torch twin) and on CPU where it is loaded
     (:func:`prepare` loads it). On CPU without it, measured (docs/benchmarks.md,
-    issue 9): batched ``torch.linalg.qr`` for r ≥ 2 (0.1–1.0× torch's per-layer loop on
+    Orthogonalization): batched ``torch.linalg.qr`` for r ≥ 2 (0.1–1.0× torch's per-layer loop on
     ResNet-18's P factors, where Gram–Schmidt was 0.5–5.5×) and Gram–Schmidt for r = 1."""
     check_method(method)
     if method == "auto":

@@ -68,7 +68,7 @@ P = A·Q (r ≤ ``FUSED_FORM_MAX_RANK``) and the update G ← P·Qᵀ, e ← e �
 (r ≤ ``FUSED_UPDATE_MAX_RANK``) each run as one sweep over a matrix's rows, so the
 gradients' size crosses the memory bus fewer times; results agree with the torch ops to
 rounding (see :func:`_matmul`, :func:`_form_a_and_p`, :func:`_updates_matrix_by_matrix`,
-:func:`_fused_cpu_passes`; figures in docs/benchmarks.md, issue 27).
+:func:`_fused_cpu_passes`; figures in docs/benchmarks.md, PowerSGD).
 
 Random draws (the initial Q's; every Q without warm start) come from a CPU generator
 seeded with ``seed`` and are then moved to the gradients' device, so one seed gives the
@@ -506,8 +506,8 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None
     CPU bmm has no matrix-vector path). On CPU a result with 2 to 64 columns (P = A·Q,
     Q = Aᵀ·P at r ≥ 2) is computed transposed, (bᵀ aᵀ)ᵀ with bᵀ made contiguous, and
     copied into place: MKL's GEMM is 2–10× faster that way round for these skinny
-    products (ResNet-18's layers, one thread; measured for issue 19), and a contiguous
-    Qᵀ makes P = A·Q 1.4× faster again at r = 2 (issue 27)."""
+    products (ResNet-18's layers, one thread), and a contiguous
+    Qᵀ makes P = A·Q 1.4× faster again at r = 2."""
     if _batched(a):
         if a.dim() == 3:
             return torch.bmm(a, b, out=out)
@@ -868,7 +868,7 @@ def _updates_matrix_by_matrix(group: _GroupStep, p: torch.Tensor, options: Power
 FUSED_FORM_MAX_RANK = 16
 """The highest rank at which step 3 takes the fused CPU pass (A and P = A·Q in one sweep
 of the rows, P in tiles of 3 rows × 4 columns); at r = 32 MKL's product, reading A again
-from cache, is as fast (docs/benchmarks.md, issue 27)."""
+from cache, is as fast (measured on ResNet-18's P factors, one thread)."""
 
 FUSED_Q_MAX_RANK = 32
 """The highest rank at which Q = Aᵀ·P takes the fused CPU pass (:func:`compute_q`); it is

@@ -23,44 +23,11 @@ Bagua namesakes had (``ENTRY_DEFAULTS``): ``bagua_algos.launch`` and
 ``bagua.distributed.run`` started ``auto`` workers (a GPU each, else a CPU core
 each), restarted up to 3 times and looked at its workers every 5 s.
 
-Flag translation (Bagua -> torchrun); every flag is also accepted in torchrun's
-spelling (``--nproc-per-node``):
-
-=============================  ==============================================
-``--nnodes N`` or ``MIN:MAX``  ``--nnodes`` (a range needs c10d)
-``--nproc_per_node P``         ``--nproc-per-node P`` (``auto``/``cpu``/``gpu``
-                               resolved here, with torchrun's rule)
-``--rdzv_backend B``           ``--rdzv-backend B`` (``static`` or ``c10d``)
-``--rdzv_endpoint H:P``        ``--rdzv-endpoint`` (c10d: the agent on H hosts
-                               the rendezvous store; static: replaces
-                               ``--master_addr``/``--master_port``)
-``--rdzv_id``, ``--role``      the same
-``--local_addr A``             ``--local-addr A`` (extension: this node's
-                               address for the others, c10d)
-``--rdzv_conf K=V,...``        ``--rdzv-conf``, its keys checked per backend
-                               (``RDZV_CONF_KEYS``)
-``--rdzv_timeout S``           join_timeout=S (c10d) or timeout=S (static)
-                               added to ``--rdzv-conf`` (extension)
-``--standalone``               ``--standalone`` (one node, c10d on localhost)
-``--max_restarts K``           ``--max-restarts K``
-``--monitor_interval S``       ``--monitor-interval S``
-``--start_method M``           ``--start-method M``
-``--node_rank R``              ``--node-rank R`` (static only: c10d assigns
-                               node ranks at each rendezvous)
-``--master_addr``/``_port``    ``--master-addr``/``--master-port`` (static)
-``-m``, ``--no_python``,       the same
-``--run_path``
-``--log_dir D``                ``--log-dir D``
-``--redirects``, ``--tee``     the same (``0``-``3``, or ``LR:V,...``)
-``--logdir D``                 ``--log-dir D --redirects 3`` (launch's flag)
-``--set_additional_flag``      ``--local_rank=<local rank>`` is passed to the
-                               script (torchrun's ``${local_rank}`` macro)
-``--use_env``                  accepted: LOCAL_RANK is always in the environment
-``--backend B``                ``BAGUA_ALGOS_BACKEND=B`` (see below) (extension)
-``--default_bucket_size N``    ``BAGUA_DEFAULT_BUCKET_SIZE=N`` for the workers:
-                               ``with_bagua``'s default bucket size
-Bagua's service flags          accepted, one warning naming those ignored
-=============================  ==============================================
+The flags are data (:data:`bagua_algos.runtime.launch_flags.FLAGS`): each row gives
+a flag's names, value type, default, help and where it goes on torchrun's command line,
+and :func:`torchrun_argv` translates by those rows alone. Every flag is also accepted in
+torchrun's spelling (``--nproc-per-node``). Bagua's service flags (autotune, Bagua-Net,
+metrics, host lists) are accepted with one warning naming those ignored.
 
 ``--backend B`` sets ``BAGUA_ALGOS_BACKEND=B`` for the workers (auto, gloo or nccl:
 what ``init_process_group()`` uses when the script names no backend).
@@ -76,6 +43,9 @@ A rendezvous that fails (the endpoint unreachable, too few nodes within the join
 timeout, a closed rendezvous, a store wait that timed out) ends the launcher with one
 line naming the flag that configures it (``rendezvous_failure``), exit status 1.
 
+When a job fails, one line on stderr names the worker that failed first and how, and
+the launcher exits with its status (:mod:`bagua_algos.runtime.launch_report`).
+
 Bagua scripts: unless ``--no_bagua_compat`` is given, and only when no real Bagua
 is importable, the directory of the compatibility package ``bagua``
 (:func:`bagua_algos.compat.compat_path`) is put first on the workers' ``PYTHONPATH``,
@@ -87,218 +57,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
-import signal
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 from bagua_algos.runtime.bucket import BUCKET_SIZE_ENV
+from bagua_algos.runtime.launch_flags import (BAGUA_ONLY_FLAGS, CONF, ENTRY_DEFAULTS, FLAGS, LOGS, PROG,
+                                              RDZV_CONF_KEYS, RDZV_TIMEOUT_KEY, RENDEZVOUS, RUN_PROG, SAME,
+                                              SCRIPT, SHARE_STORE_ENV, STATIC, _dest, nnodes_text, rdzv_conf,
+                                              rendezvous_backend, split_endpoint, torchrun_spelling)
+# the failure report (first_failure and _failure_summary are also read through this module)
+from bagua_algos.runtime.launch_report import failure_summary, first_failure, rendezvous_failure  # noqa: F401
 
-PROG = "bagua_algos.launch"
-RUN_PROG = "bagua.distributed.run"
-
-# The defaults that differ between the entry points: each keeps its Bagua namesake's
-# (bagua.distributed.launch: one worker, no restarts; Bagua 0.9's run.py: auto workers,
-# 3 restarts, a look at the workers every 5 s). None: torchrun's own default.
-ENTRY_DEFAULTS = {
-    PROG: dict(nnodes=(1, 1), nproc_per_node=1, max_restarts=0, monitor_interval=None),
-    "bagua.distributed.launch": dict(nnodes=(1, 1), nproc_per_node=1, max_restarts=0, monitor_interval=None),
-    RUN_PROG: dict(nnodes=(1, 1), nproc_per_node="auto", max_restarts=3, monitor_interval=5.0),
-}
-
-RDZV_BACKENDS = ("static", "c10d")
-NPROC_WORDS = ("auto", "cpu", "gpu")
-DEFAULT_C10D_PORT = 29400  # torch's c10d rendezvous port when --rdzv_endpoint names none
-SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-LATE_JOIN_ISSUE = "pytorch/pytorch#147064"
+_failure_summary = failure_summary
 
 # torchrun substitutes this macro with each worker's local rank
 # (torch.distributed.elastic.utils.macros.local_rank).
 _LOCAL_RANK_MACRO = "${local_rank}"
-
-# torch's Std.from_str: one value for every local rank, or LOCAL_RANK:VALUE pairs
-_STD_VALUE = re.compile(r"^[0123]$")
-_STD_MAPPING = re.compile(r"^(\d:[0123],)*(\d:[0123])$")
-_STD_VALID = ("0 (none), 1 (stdout), 2 (stderr), 3 (both), or LOCAL_RANK:VALUE pairs "
-              "such as 0:3,1:2")
-
-
-# ------------------------------------------------------------------ value parsers
-# argparse ``type=`` functions: an ArgumentTypeError becomes
-# "argument --flag: <message>", naming the flag as it was typed.
-
-def _nnodes(text: str) -> Tuple[int, int]:
-    """``N`` or ``MIN:MAX`` -> (min, max) with 1 <= min <= max."""
-    parts = text.split(":")
-    try:
-        low, high = (int(parts[0]), int(parts[0])) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
-        if len(parts) > 2:
-            raise ValueError
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is neither a number of nodes nor a range MIN:MAX (such as 2 or 1:4)") from None
-    if not 1 <= low <= high:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: the number of nodes must be >= 1, and a range MIN:MAX needs 1 <= MIN <= MAX")
-    return low, high
-
-
-def _nproc(text: str):
-    """A number of workers >= 1, or one of torchrun's words auto/cpu/gpu."""
-    if text in NPROC_WORDS:
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid value {text!r}: give a number >= 1 or one of {', '.join(NPROC_WORDS)}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (or one of {', '.join(NPROC_WORDS)}), got {value}")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
-
-
-def _std_spec(text: str) -> str:
-    if _STD_VALUE.match(text) or _STD_MAPPING.match(text):
-        return text
-    raise argparse.ArgumentTypeError(f"invalid value {text!r}: give {_STD_VALID}")
-
-
-def split_endpoint(text: str) -> Tuple[str, Optional[int]]:
-    """``host``, ``host:port``, ``[v6]:port`` -> (host, port or None); ValueError says why."""
-    if text.startswith("["):
-        host, sep, rest = text[1:].partition("]")
-        if not sep or (rest and not rest.startswith(":")):
-            raise ValueError("an IPv6 host is written in brackets, as [::1]:29400")
-        port_text = rest[1:] if rest else None
-    elif text.count(":") > 1:
-        raise ValueError("an IPv6 host is written in brackets, as [::1]:29400")
-    else:
-        host, _, port_text = text.partition(":")
-        port_text = port_text if ":" in text else None
-    if not host:
-        raise ValueError("the host is missing")
-    if port_text is None:
-        return host, None
-    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-        raise ValueError(f"the port must be a number in [1, 65535], got {port_text!r}")
-    return host, int(port_text)
-
-
-def _endpoint(text: str) -> str:
-    try:
-        split_endpoint(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"{text!r} is not HOST[:PORT]: {error}") from None
-    return text
-
-
-# --rdzv_conf: the keys each rendezvous reads, each with its check (a function from the
-# text to an error message, or None). torch ignores a key it does not read: a typo
-# there ("join_timout") would leave the 600 s default in force without a word.
-def _positive_int_text(text: str) -> Optional[str]:
-    return None if text.isdigit() and int(text) >= 1 else "a whole number >= 1"
-
-
-def _nonnegative_int_text(text: str) -> Optional[str]:
-    return None if text.isdigit() else "a whole number >= 0"
-
-
-_BOOL_WORDS = ("1", "0", "true", "false", "t", "f", "yes", "no", "y", "n")  # torch's get_as_bool
-
-
-def _bool_text(text: str) -> Optional[str]:
-    return None if text.lower() in _BOOL_WORDS else "true or false"
-
-
-def _store_type_text(text: str) -> Optional[str]:
-    return None if text.strip().lower() in ("tcp", "file") else "tcp or file"
-
-
-RDZV_CONF_KEYS = {
-    "c10d": {
-        "join_timeout": _positive_int_text,        # seconds for the rendezvous to complete (600)
-        "last_call_timeout": _nonnegative_int_text,  # extra wait once MIN nodes are in (30)
-        "close_timeout": _positive_int_text,       # (30)
-        "heartbeat_timeout": _positive_int_text,
-        "read_timeout": _positive_int_text,        # a store operation, connecting included (60)
-        "keep_alive_interval": _positive_int_text,  # a node's heartbeat period (5)
-        "keep_alive_max_attempt": _positive_int_text,  # missed beats before it counts as dead (3)
-        "is_host": _bool_text,                     # whether this agent hosts the store
-        "store_type": _store_type_text,
-    },
-    "static": {
-        "timeout": _positive_int_text,  # seconds to wait for the other nodes (900)
-    },
-}
-# torch's defaults, for messages
-C10D_DEFAULTS = {"join_timeout": 600, "last_call_timeout": 30, "read_timeout": 60}
-STATIC_DEFAULT_TIMEOUT = 900
-# --rdzv_timeout's key in each backend's configuration
-_RDZV_TIMEOUT_KEY = {"c10d": "join_timeout", "static": "timeout"}
-
-
-def parse_rdzv_conf(text: str) -> Dict[str, str]:
-    """``k1=v1,k2=v2`` -> {k1: v1, k2: v2} (torch's format); ValueError says why not."""
-    conf: Dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or not key or not value:
-            raise ValueError(f"{item!r} is not KEY=VALUE")
-        if key in conf:
-            raise ValueError(f"{key!r} is given twice")
-        conf[key] = value
-    return conf
-
-
-def _rdzv_conf(text: str) -> Dict[str, str]:
-    try:
-        return parse_rdzv_conf(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(
-            f"{error}; give KEY=VALUE pairs separated by commas, such as join_timeout=60,read_timeout=10"
-        ) from None
-
-
-# Flags of Bagua's launchers that configure Bagua's own services (autotune server,
-# Bagua-Net, metrics, baguarun's host list). They have no meaning here: accepted, and
-# named in one warning. name -> argparse keyword arguments (every default is None so
-# that we can tell whether the flag was given). Bagua 0.9's run.py spelled Bagua-Net's
-# switch --bagua-net_switch_on; launch.py --enable_bagua_net.
-BAGUA_ONLY_FLAGS = {
-    "--bagua_service_port": dict(type=int),
-    "--autotune_level": dict(type=int),
-    "--autotune_log_file": dict(type=str),
-    "--is_output_autotune_log": dict(action="store_true"),
-    "--report_metrics": dict(action="store_true"),
-    "--autotune_max_samples": dict(type=int),
-    "--autotune_sampling_confidence_time": dict(type=float),
-    "--autotune_warmup_time": dict(type=float),
-    "--enable_bagua_net": dict(action="store_true"),
-    "--bagua-net_switch_on": dict(action="store_true"),
-    "--host_list": dict(type=str),
-    "--ssh_port": dict(type=int),
-}
-
-
-def _dest(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
-
-
-def torchrun_spelling(flag: str) -> str:
-    """``--nproc_per_node`` -> ``--nproc-per-node``: torchrun's spelling of a flag."""
-    return "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
 
 
 def _flag(container, *names: str, **kwargs) -> None:
@@ -316,6 +91,8 @@ def _flag(container, *names: str, **kwargs) -> None:
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """The parser of entry point ``prog``, one argument per row of ``FLAGS`` with the
+    entry point's own defaults (``ENTRY_DEFAULTS``)."""
     if prog not in ENTRY_DEFAULTS:
         raise ValueError(f"prog must be one of {sorted(ENTRY_DEFAULTS)}, got {prog!r}")
     defaults = ENTRY_DEFAULTS[prog]
@@ -329,89 +106,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
             "torchrun's spelling, with dashes (--nproc-per-node for --nproc_per_node)."
         ),
     )
-    nnodes = defaults["nnodes"]
-    _flag(parser, "--nnodes", type=_nnodes, default=nnodes,
-          help="number of nodes N, or a range MIN:MAX (elastic; needs --rdzv_backend c10d) "
-          f"(default {nnodes[0] if nnodes[0] == nnodes[1] else '%d:%d' % nnodes})")
-    _flag(parser, "--nproc_per_node", type=_nproc, default=defaults["nproc_per_node"],
-          help="worker processes on this node: a number, or auto (a GPU each, else a CPU core each), "
-          f"cpu or gpu (default {defaults['nproc_per_node']})")
-    rdzv = parser.add_argument_group("rendezvous (how the nodes find each other)")
-    _flag(rdzv, "--rdzv_backend", choices=RDZV_BACKENDS, default="static",
-          help="static: fixed nodes, node 0 at --master_addr:--master_port, each given --node_rank; "
-          "c10d: nodes join a store hosted by the agent at --rdzv_endpoint, may come and go "
-          "within --nnodes MIN:MAX (default static)")
-    _flag(rdzv, "--rdzv_endpoint", type=_endpoint, default=None,
-          help=f"HOST[:PORT] of the rendezvous (c10d: the agent on HOST hosts its store; port "
-          f"{DEFAULT_C10D_PORT} if none is given)")
-    _flag(rdzv, "--rdzv_id", type=str, default="none",
-          help="job id, the same on every node (default none)")
-    _flag(rdzv, "--rdzv_conf", type=_rdzv_conf, default={},
-          help="KEY=VALUE,... for the rendezvous; c10d: " + ", ".join(RDZV_CONF_KEYS["c10d"])
-          + "; static: " + ", ".join(RDZV_CONF_KEYS["static"]))
-    _flag(rdzv, "--rdzv_timeout", type=int, default=None,
-          help="seconds an agent waits for the other nodes to join (join_timeout with c10d, "
-          "timeout with static; torch's defaults: 600 and 900)")
-    _flag(rdzv, "--standalone", action="store_true",
-          help="one node: a c10d rendezvous on a free local port with a fresh id "
-          "(--rdzv_backend/--rdzv_endpoint/--rdzv_id are then not used)")
-    _flag(rdzv, "--local_addr", type=str, default=None,
-          help="c10d: this node's address as the other nodes reach it, published as the workers' "
-          "MASTER_ADDR when this node holds rank 0 (default: this host's fully qualified name; "
-          "an extension: torchrun's --local-addr)")
-    _flag(rdzv, "--node_rank", type=int, default=0,
-          help="static: rank of this node, in [0, nnodes) (default 0)")
-    _flag(rdzv, "--master_addr", type=str, default="127.0.0.1",
-          help="static: address of node 0 (default 127.0.0.1)")
-    _flag(rdzv, "--master_port", type=int, default=29500,
-          help="static: free port on node 0 (default 29500)")
-
-    _flag(parser, "--max_restarts", type=int, default=defaults["max_restarts"],
-          help=f"restarts of the worker group before failing (default {defaults['max_restarts']})")
-    _flag(parser, "--monitor_interval", type=_positive_seconds, default=defaults["monitor_interval"],
-          help="seconds between the agent's looks at its workers (default "
-          + (f"{defaults['monitor_interval']:g})" if defaults["monitor_interval"] else "torchrun's, 0.1)"))
-    _flag(parser, "--start_method", choices=("spawn", "fork", "forkserver"), default="spawn",
-          help="how the agent starts workers of a function entry point (default spawn)")
-    _flag(parser, "--role", type=str, default="default", help="the workers' role (default 'default')")
-    _flag(parser, "-m", "--module", action="store_true",
-          help="run the training script as a module, like 'python -m'")
-    _flag(parser, "--no_python", action="store_true",
-          help="execute the training script directly, without 'python'")
-    _flag(parser, "--run_path", action="store_true",
-          help="run the training script with runpy.run_path in the worker's interpreter")
-    _flag(parser, "--log_dir", type=str, default=None,
-          help="directory for the workers' log files (see --redirects and --tee)")
-    _flag(parser, "-r", "--redirects", type=_std_spec, default="0",
-          help="send workers' streams to files under --log_dir: " + _STD_VALID + " (default 0)")
-    _flag(parser, "-t", "--tee", type=_std_spec, default="0",
-          help="like --redirects, but also to the console (default 0)")
-    _flag(parser, "--logdir", type=str, default=None,
-          help="bagua.distributed.launch's flag: --log_dir with both streams of every worker "
-          "redirected to files")
-    _flag(parser, "--set_additional_flag", action="store_true",
-          help="pass --local_rank=<local rank> to the training script")
-    _flag(parser, "--use_env", action="store_true", default=True,
-          help="accepted for Bagua's run: LOCAL_RANK is always in the workers' environment")
-    _flag(parser, "--backend", choices=("auto", "gloo", "nccl"), default=None,
-          help="backend of the workers' init_process_group() when the script names none "
-          "(sets BAGUA_ALGOS_BACKEND): nccl puts each worker on GPU LOCAL_RANK (CUDA tensors "
-          "over NCCL, CPU tensors over gloo) and needs a GPU per worker; gloo runs on CPU "
-          "(CUDA tensors staged through host memory); auto (the default) is nccl when CUDA "
-          "is available, else gloo")
-    _flag(parser, "--no_bagua_compat", action="store_true",
-          help="do not put the compatibility package 'bagua' on the "
-          "workers' PYTHONPATH (by default it is put there when no real "
-          "Bagua is installed, so that 'import bagua.torch_api' works)")
-    _flag(parser, "--default_bucket_size", type=int, default=None,
-          help=f"bytes per bucket for with_bagua() when the script names none (sets {BUCKET_SIZE_ENV} "
-          "for the workers; default 10 MiB)")
-
-    bagua = parser.add_argument_group(
-        "Bagua's service flags (accepted for compatibility and ignored, with one warning)")
-    for flag, kwargs in BAGUA_ONLY_FLAGS.items():
-        _flag(bagua, flag, dest=_dest(flag), default=None, help="ignored", **kwargs)
-
+    groups = {None: parser}
+    for flag in FLAGS:
+        if flag.group not in groups:
+            groups[flag.group] = parser.add_argument_group(flag.group)
+        _flag(groups[flag.group], *flag.names, **flag.argparse_kwargs(defaults))
     parser.add_argument("training_script", type=str, nargs="?", default=None,
                         help="the training script (or module with -m, or program "
                         "with --no_python), followed by its arguments")
@@ -451,15 +150,15 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         keys = RDZV_CONF_KEYS[backend]
         for key, value in args.rdzv_conf.items():
             if key not in keys:
-                hint = (f"; with c10d, {_RDZV_TIMEOUT_KEY['c10d']} is the join timeout" if key == "timeout"
+                hint = (f"; with c10d, {RDZV_TIMEOUT_KEY['c10d']} is the join timeout" if key == "timeout"
                         else "; --node_rank sets it" if key == "rank" else "")
                 parser.error(f"argument --rdzv_conf: {key!r} is not read by the {backend} rendezvous "
                              f"(its keys: {', '.join(keys)}){hint}")
             wanted = keys[key](value)
             if wanted:
                 parser.error(f"argument --rdzv_conf: {key} must be {wanted}, got {value!r}")
-        if args.rdzv_timeout is not None and _RDZV_TIMEOUT_KEY[backend] in args.rdzv_conf:
-            parser.error(f"argument --rdzv_timeout: --rdzv_conf gives {_RDZV_TIMEOUT_KEY[backend]} already")
+        if args.rdzv_timeout is not None and RDZV_TIMEOUT_KEY[backend] in args.rdzv_conf:
+            parser.error(f"argument --rdzv_timeout: --rdzv_conf gives {RDZV_TIMEOUT_KEY[backend]} already")
     if args.max_restarts < 0:
         parser.error(f"argument --max_restarts: must be >= 0, got {args.max_restarts}")
     if args.rdzv_timeout is not None and args.rdzv_timeout < 1:
@@ -478,12 +177,6 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     for flag, path in (("--logdir", args.logdir), ("--log_dir", args.log_dir)):
         if path is not None and os.path.exists(path) and not os.path.isdir(path):
             parser.error(f"argument {flag}: {path!r} exists and is not a directory")
-
-
-def nnodes_text(nnodes: Tuple[int, int]) -> str:
-    """(2, 2) -> '2'; (1, 4) -> '1:4' (torchrun's form)."""
-    low, high = nnodes
-    return str(low) if low == high else f"{low}:{high}"
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.ArgumentParser] = None
@@ -555,101 +248,40 @@ def ignored_flags_warning(args: argparse.Namespace, prog: str = PROG) -> Optiona
             "metrics and host lists are not part of bagua-algos")
 
 
-def rendezvous_backend(args: argparse.Namespace) -> str:
-    return "c10d" if args.standalone else args.rdzv_backend
-
-
-def rdzv_conf(args: argparse.Namespace) -> Dict[str, str]:
-    """--rdzv_conf with --rdzv_timeout added under its backend's key."""
-    conf = dict(args.rdzv_conf)
-    if args.rdzv_timeout is not None:
-        conf[_RDZV_TIMEOUT_KEY[rendezvous_backend(args)]] = str(args.rdzv_timeout)
-    return conf
-
 
 def torchrun_argv(args: argparse.Namespace) -> List[str]:
     """The ``torch.distributed.run`` command line equivalent to ``args`` (after
-    :func:`check_before_start`, which makes ``--nproc_per_node`` a number)."""
-    backend = rendezvous_backend(args)
-    argv = ["--nnodes", nnodes_text(args.nnodes), "--nproc-per-node", str(args.nproc_per_node)]
-    if args.standalone:
-        argv.append("--standalone")
-    else:
-        argv += ["--rdzv-backend", backend, "--rdzv-id", args.rdzv_id]
-        if args.rdzv_endpoint:
-            argv += ["--rdzv-endpoint", args.rdzv_endpoint]
-    if args.local_addr is not None:
-        argv += ["--local-addr", args.local_addr]
-    conf = rdzv_conf(args)
-    if conf:
-        argv += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())]
-    if backend == "static":
-        argv += ["--node-rank", str(args.node_rank), "--master-addr", args.master_addr,
-                 "--master-port", str(args.master_port)]
-    argv += ["--max-restarts", str(args.max_restarts), "--start-method", args.start_method,
-             "--role", args.role]
-    if args.monitor_interval is not None:
-        argv += ["--monitor-interval", repr(args.monitor_interval)]
-    if args.module:
-        argv.append("--module")
-    if args.no_python:
-        argv.append("--no-python")
-    if args.run_path:
-        argv.append("--run-path")
-    if args.logdir is not None:
-        # 3 = stdout and stderr of every local rank
-        argv += ["--log-dir", args.logdir, "--redirects", "3"]
-    else:
-        if args.log_dir is not None:
-            argv += ["--log-dir", args.log_dir]
-        argv += ["--redirects", args.redirects]
-    argv += ["--tee", args.tee]
-    argv.append(args.training_script)
-    if args.set_additional_flag:
-        argv.append(f"--local_rank={_LOCAL_RANK_MACRO}")
-    argv += list(args.training_script_args)
-    return argv
-
-
-def rendezvous_failure(error: BaseException, args: argparse.Namespace, prog: str = PROG) -> str:
-    """One line for a rendezvous that failed, naming the flag that configures what ran out.
-
-    ``error`` is what torchrun's agent raised outside its workers: a
-    ``RendezvousError`` (connection, timeout, closed) or a store error
-    (``torch.distributed.DistError``: a wait on a key that timed out)."""
-    from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError, RendezvousConnectionError,
-                                                          RendezvousTimeoutError)
-
-    backend = rendezvous_backend(args)
-    conf = rdzv_conf(args)
-    cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    if backend == "static":
-        where = (f"--rdzv_endpoint {args.rdzv_endpoint}" if args.rdzv_endpoint
-                 else f"--master_addr {args.master_addr} --master_port {args.master_port}")
-        timeout = int(conf.get("timeout", STATIC_DEFAULT_TIMEOUT))
-        return (f"{prog}: rendezvous failed: the {args.nnodes[1]} nodes did not all meet at node 0's store "
-                f"({where}) within {timeout} s (--rdzv_timeout): is node 0's launcher running there, "
-                f"and the port open? ({type(error).__name__}: {cause})")
-    endpoint = "localhost (--standalone)" if args.standalone else (args.rdzv_endpoint or "localhost")
-    read_timeout = int(conf.get("read_timeout", C10D_DEFAULTS["read_timeout"]))
-    if isinstance(error, RendezvousConnectionError):
-        return (f"{prog}: rendezvous failed: cannot reach the c10d store at --rdzv_endpoint {endpoint} "
-                f"within read_timeout={read_timeout} s (--rdzv_conf): the agent that hosts it (the first "
-                "launcher on that host) is not running or not reachable, or the port is closed")
-    if isinstance(error, RendezvousTimeoutError):
-        join = int(conf.get("join_timeout", C10D_DEFAULTS["join_timeout"]))
-        return (f"{prog}: rendezvous failed: fewer than the {args.nnodes[0]} node(s) that --nnodes "
-                f"{nnodes_text(args.nnodes)} asks for joined --rdzv_endpoint {endpoint} (--rdzv_id "
-                f"{args.rdzv_id}) within join_timeout={join} s (--rdzv_conf or --rdzv_timeout)")
-    if isinstance(error, RendezvousClosedError):
-        return (f"{prog}: rendezvous failed: the rendezvous --rdzv_id {args.rdzv_id} at {endpoint} is closed "
-                "(its job has ended or another agent gave up); start a new job with a new --rdzv_id")
-    text = f"{type(error).__name__}: {cause}"
-    if os.environ.get(SHARE_STORE_ENV) != "1" and ("role_info" in cause or "MASTER_ADDR" in cause):
-        text += (f"; a node joining a running c10d job waits for keys that the running agent never "
-                 f"writes unless {SHARE_STORE_ENV}=1 ({LATE_JOIN_ISSUE})")
-    return (f"{prog}: rendezvous failed: a wait on the c10d store at --rdzv_endpoint {endpoint} timed out "
-            f"after read_timeout={read_timeout} s (--rdzv_conf): {text}")
+    :func:`check_before_start`, which makes ``--nproc_per_node`` a number): each flag
+    goes where its row of ``FLAGS`` says."""
+    static = rendezvous_backend(args) == "static"
+    argv: List[str] = []
+    script_flags: List[str] = []
+    for flag in FLAGS:
+        value = getattr(args, flag.dest)
+        where = flag.torchrun
+        if where in (SAME, RENDEZVOUS, STATIC):
+            if value is None or value is False or (where == RENDEZVOUS and args.standalone) \
+                    or (where == STATIC and not static):
+                continue
+            argv.append(torchrun_spelling(flag.name))
+            if not flag.switch:
+                argv.append(flag.text(value))
+        elif where == CONF and flag.dest == "rdzv_conf":
+            conf = rdzv_conf(args)  # --rdzv_timeout joins --rdzv_conf's pairs here
+            if conf:
+                argv += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())]
+        elif where == LOGS and flag.dest == "redirects":
+            if args.logdir is not None:
+                # 3 = stdout and stderr of every local rank
+                argv += ["--log-dir", args.logdir, "--redirects", "3"]
+            else:
+                if args.log_dir is not None:
+                    argv += ["--log-dir", args.log_dir]
+                argv += ["--redirects", args.redirects]
+        elif where == SCRIPT and value:
+            # --set_additional_flag: torchrun's macro, each worker's local rank
+            script_flags.append(f"--local_rank={_LOCAL_RANK_MACRO}")
+    return argv + [args.training_script] + script_flags + list(args.training_script_args)
 
 
 def bagua_compat_pythonpath(pythonpath: Optional[str], prog: str = PROG) -> tuple[Optional[str], Optional[str]]:
@@ -675,56 +307,6 @@ def bagua_compat_pythonpath(pythonpath: Optional[str], prog: str = PROG) -> tupl
         return pythonpath, None
     return path + os.pathsep + pythonpath, None
 
-
-def first_failure(failures) -> int:
-    """The global rank whose failure started the job's end, from ChildFailedError.failures.
-
-    torchrun's agent stops the other workers with SIGTERM as soon as it sees one fail
-    (and with SIGKILL 30 s later if they ignore it), then records every worker that
-    ended non-zero, each with the time in whole seconds at which it was recorded (or,
-    for a worker with an error file, the time the error was written). So the stopped
-    workers usually carry the same second as the worker that failed. The failure
-    chosen is
-
-    1. the earliest by timestamp;
-    2. on a tie, one not ended by SIGTERM (the agent's own stop signal) over one
-       that was;
-    3. then a worker killed by another signal (SIGKILL from the OOM killer, SIGSEGV,
-       SIGABRT: a cause) over one that exited with a code (often a consequence:
-       a collective failing because a peer died);
-    4. then the order in which the agent recorded them (the order of ``failures``).
-    """
-    if not failures:
-        raise ValueError("no failures to choose from")
-    sigterm = -int(signal.SIGTERM)
-    position = {rank: index for index, rank in enumerate(failures)}
-
-    def key(rank):
-        f = failures[rank]
-        return (f.timestamp, f.exitcode == sigterm, f.exitcode >= 0, position[rank])
-
-    return min(failures, key=key)
-
-
-def _how(f) -> str:
-    return f"was killed by signal {f.signal_name()}" if f.exitcode < 0 else f"exited with code {f.exitcode}"
-
-
-def _failure_summary(err, prog: str = PROG) -> tuple[str, int]:
-    """A one-line description of a ChildFailedError and the exit status to use."""
-    failures = err.failures
-    rank = first_failure(failures)
-    f = failures[rank]
-    status = 1 if f.exitcode < 0 else (f.exitcode if 0 < f.exitcode < 256 else 1)
-    others = []
-    for r in sorted(failures):
-        if r != rank:
-            code = failures[r].exitcode
-            others.append(f"{r} ({failures[r].signal_name() if code < 0 else f'code {code}'})")
-    tail = f"; other local ranks ended: {', '.join(others)}" if others else ""
-    line = (f"{prog}: job failed: worker rank {rank} (local_rank {f.local_rank}, "
-            f"pid {f.pid}) {_how(f)}; the node's workers were stopped{tail}")
-    return line, status
 
 
 def set_worker_environment(args: argparse.Namespace, prog: str = PROG) -> None:
@@ -780,7 +362,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> None:
     try:
         torchrun.run(targs)
     except ChildFailedError as err:
-        line, status = _failure_summary(err, prog)
+        line, status = failure_summary(err, prog)
         print(line, file=sys.stderr, flush=True)
         sys.exit(status)
     except SignalException as err:

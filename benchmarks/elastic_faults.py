@@ -252,7 +252,7 @@ def kill_and_restart(workdir: Path, algorithms, *, steps=40, save_every=5, nproc
     return outcome
 
 
-# The issue's plain-torch trial, and the same through the plugin's init_process_group:
+# A plain-torch trial (the failure first reported), and the same through the plugin's init_process_group:
 # an allreduce loop whose rank 1 kills itself at step 10 of round 0, under
 # `torchrun --standalone --max_restarts 2` (c10d, the agent's store shared).
 ALLREDUCE_LOOP = """

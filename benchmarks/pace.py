@@ -1,4 +1,4 @@
-"""The pace of each section at the issue's sizes: ``bagua_algos.experiments.pace``, also ``bagua-algos pace``.
+"""The pace of each section at full sizes: ``bagua_algos.experiments.pace``, also ``bagua-algos pace``.
 
 A script for the repository's checkout, where the package is installed (``pip install -e .``):
 ``python benchmarks/pace.py --help``."""

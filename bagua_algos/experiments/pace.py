@@ -1,6 +1,6 @@
-"""Issue 19's figures in one run, as ratios, on the device this process finds.
+"""The hot paths' speed figures in one run, as ratios, on the device this process finds.
 
-    python benchmarks/pace.py                 # the issue's sizes (meant for a GPU)
+    python benchmarks/pace.py                 # the full sizes (meant for a GPU)
     python benchmarks/pace.py --quick         # small sizes: a few minutes on a CPU
     python benchmarks/pace.py --device cpu --sections ws1,codec
 
@@ -25,7 +25,7 @@ Sections (``--sections``, all by default):
   the ratio is the median of the rounds' ratios. Model: ResNet-50 at 224×224, batch 32
   (``--ws1-model``, ``--ws1-image``, ``--ws1-batch``).
 
-The goals (issue 19): PowerSGD ratio < 1 at every rank; cuda_ext's P set < 1× one
+The goals: PowerSGD ratio < 1 at every rank; cuda_ext's P set < 1× one
 ``linalg.qr`` call and no grid shape > 1× for "auto"; every algorithm ≥ 0.95×
 ``gradient_allreduce`` and ``gradient_allreduce`` ≥ 0.98× DDP at world size 1.
 """

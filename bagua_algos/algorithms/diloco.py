@@ -26,11 +26,11 @@ momentum do not change in between), and merges instead of step 4:
 
 4'. θ_i ← α θ_i(t + τ) + (1 − α) θ_outer       α = ``merge_alpha``
 
-This is Algorithm 2 of Streaming DiLoCo (Douillard et al. 2025), its mixing factor α
-with the paper's default 0.5 (α = 0 takes the outer model, as torchft's DiLoCo, whose
-``fragment_update_alpha`` is this α and whose ``fragment_sync_delay`` is τ; α = 1 keeps
-the local one). The next pseudo-gradient is again taken against θ_outer, not against
-the merged parameters. τ = 0 is plain DiLoCo (step 4, no merge). τ < ⌊H/F⌋, as
+This is the merge of Streaming DiLoCo (Douillard et al. 2025) with its mixing factor α,
+defaulting to the paper's α = 0.5 (α = 0 takes the outer model; α = 1 keeps the local
+one). torchft's DiLoCo names τ ``fragment_sync_delay`` and α ``fragment_update_alpha``
+and accepts only α = 0. The next pseudo-gradient is again taken against θ_outer, not
+against the merged parameters. τ = 0 is plain DiLoCo (step 4, no merge). τ < ⌊H/F⌋, as
 torchft requires: a fragment's result lands before the next fragment starts, so one
 fragment is in flight at a time. In a job the allreduce is posted with
 ``async_op=True`` (gloo and NCCL run it beside the training thread) and its handle

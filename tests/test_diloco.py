@@ -295,3 +295,42 @@ def test_overlap_defaults_to_the_papers_mixing_factor():
 
     assert DiLoCoAlgorithm(sync_every=10, overlap=3).merge_alpha == 0.5
     assert DiLoCoAlgorithm(sync_every=10).merge_alpha == 0.0  # τ = 0: every worker takes θ_outer
+
+
+def _resume_without_overlap_worker(rank, world):
+    """A checkpoint taken with a fragment in flight (overlap=2: synchronised after step
+    3, due after step 5) loaded by a run with overlap=0: its outer step still lands after
+    step 5, and the worker takes θ_outer (the merge of plain DiLoCo)."""
+    from bagua_algos.algorithms import DiLoCoAlgorithm
+
+    x, y = engine_cases.data()
+    xs, ys = x[rank::world][:48].view(6, 8, 12), y[rank::world][:48].view(6, 8)
+
+    def wrapped(**kwargs):
+        net = engine_cases.model()
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        return net.with_bagua([opt], DiLoCoAlgorithm(sync_every=3, **kwargs)), opt
+
+    def step(net, opt, k):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(xs[k]), ys[k]).backward()
+        opt.step()
+
+    net, opt = wrapped(overlap=2)
+    for k in range(4):
+        step(net, opt, k)
+    checkpoint = copy.deepcopy({"model": net.state_dict(), "opt": opt.state_dict(), "bagua": net.bagua_state_dict()})
+    resumed, resumed_opt = wrapped()
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt.load_state_dict(checkpoint["opt"])
+    resumed.load_bagua_state_dict(checkpoint["bagua"])
+    bucket = resumed.bagua_buckets[0]
+    before = bucket.state["diloco_outer_steps"]
+    step(resumed, resumed_opt, 4)
+    return before, bucket.state["diloco_outer_steps"], torch.equal(bucket.flat_view(), bucket.state["diloco_outer"])
+
+
+def test_an_overlapped_checkpoint_resumed_without_overlap_takes_its_outer_step():
+    for before, after, takes_outer in run_workers(_resume_without_overlap_worker, 2, timeout=90):
+        assert (before, after) == (0, 1)
+        assert takes_outer

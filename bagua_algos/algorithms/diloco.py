@@ -182,7 +182,7 @@ class DiLoCoAlgorithmImpl(ModelAveragingAlgorithmImpl):
             settings = self.settings
             for f, bucket in enumerate(bagua_ddp.bagua_buckets):
                 due = bucket.state.get("diloco_due", 0)
-                if settings.overlap and due and step >= due:
+                if due and step >= due:  # (also a checkpoint's, resumed with overlap=0: merge_alpha 0 then)
                     self.finish_outer_step(bucket)
                 if fragment_syncs_at(step, f, len(bagua_ddp.bagua_buckets), settings.sync_every):
                     if settings.overlap:

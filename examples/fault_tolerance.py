@@ -31,16 +31,21 @@ import time
 import torch
 
 import bagua_algos as bagua
-from bagua_algos.algorithms import (ByteGradAlgorithm, DecentralizedAlgorithm, GradientAllReduceAlgorithm,
-                                    LowPrecisionDecentralizedAlgorithm, PowerSGDAlgorithm, RelayAlgorithm)
+from bagua_algos.algorithms import (ByteGradAlgorithm, DecentralizedAlgorithm, DiLoCoAlgorithm,
+                                    GradientAllReduceAlgorithm, LowPrecisionDecentralizedAlgorithm, PowerSGDAlgorithm,
+                                    RelayAlgorithm)
 
-ALGORITHMS = {  # one per family: exact, gossip (two), relay, compressed (two)
+ALGORITHMS = {  # one per family: exact, gossip (two), relay, compressed (two), low-communication (two)
     "gradient_allreduce": lambda: GradientAllReduceAlgorithm(),
     "decentralized": lambda: DecentralizedAlgorithm(hierarchical=False, peer_selection_mode="shift_one"),
     "low_precision_decentralized": lambda: LowPrecisionDecentralizedAlgorithm(hierarchical=False),
     "relay": lambda: RelayAlgorithm(topology="chain"),
     "powersgd": lambda: PowerSGDAlgorithm(rank=1, orthogonalization="gram_schmidt"),
     "bytegrad": lambda: ByteGradAlgorithm(hierarchical=False),
+    # outer model and momentum in the checkpoint; streaming: two fragments synchronised two
+    # steps apart, each merged one step later (a fragment in flight at some checkpoints)
+    "diloco": lambda: DiLoCoAlgorithm(sync_every=3),
+    "diloco_streaming": lambda: DiLoCoAlgorithm(sync_every=4, fragments=2, overlap=1),
 }
 FEATURES, CLASSES = 8, 4
 

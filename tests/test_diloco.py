@@ -1,7 +1,9 @@
 """DiLoCo (bagua_algos/algorithms/diloco.py) against an oracle written from the paper's
 update rule: n copies of a model in one process, the inner SGD on each, and at every
 synchronisation θ_outer stepped by ``torch.optim.SGD(nesterov=True)`` on the averaged
-pseudo-gradient Δ = θ_outer − mean_i θ_i, every copy restarting from θ_outer. Run on the
+pseudo-gradient Δ = θ_outer − mean_i θ_i, every copy restarting from θ_outer; and
+Streaming DiLoCo's overlap (its Algorithm 2): Δ taken at the synchronisation step t, the
+outer step and the merge θ_i ← α θ_i + (1 − α) θ_outer after step t + τ. Run on the
 one-process engine and as gloo processes (the same impl), fragments included; with
 outer_lr=1 and no momentum it is local SGD, ``allreduce_average(communication_interval=H)``
 shifted by Bagua's offset; checkpoints resume exactly."""
@@ -19,8 +21,14 @@ from bagua_algos.experiments.gloo_workers import run_workers
 N, STEPS = 4, 13  # 13: the run ends between synchronisations
 
 
-def _oracle(sync_every, outer_lr, outer_momentum, nesterov, fragments, steps=STEPS):
-    """[N, d] parameters (registration order) after ``steps`` steps, from the rule alone."""
+def _oracle(sync_every, outer_lr, outer_momentum, nesterov, fragments, overlap=0, merge_alpha=None, steps=STEPS):
+    """[N, d] parameters (registration order) after ``steps`` steps, from the rule alone.
+
+    With ``overlap`` τ ≥ 1 (Streaming DiLoCo): at fragment p's synchronisation step t the
+    averaged Δ is taken (and held: it travels during τ steps); after step t + τ the outer
+    SGD steps on it and every copy becomes α θ_i + (1 − α) θ_outer, α = ``merge_alpha``
+    (the paper's 0.5 when None)."""
+    alpha = 0.5 if merge_alpha is None else merge_alpha
     from bagua_algos.algorithms.diloco import fragment_groups
     from bagua_algos.engine.data import WorkerShares
 
@@ -35,6 +43,22 @@ def _oracle(sync_every, outer_lr, outer_momentum, nesterov, fragments, steps=STE
     outer_opts = [torch.optim.SGD([outer[name] for name in group], lr=outer_lr, momentum=outer_momentum,
                                   nesterov=nesterov) for group in groups]
     shares = WorkerShares(y, N, engine_cases.ALPHA, engine_cases.SEED)
+    held = {}  # fragment -> (the step its outer step lands at, {name: averaged Δ})
+
+    def land(f):
+        for name in groups[f]:
+            outer[name].grad = held[f][1][name]
+        outer_opts[f].step()
+        with torch.no_grad():
+            for model in models:
+                params = dict(model.named_parameters())
+                for name in groups[f]:
+                    if overlap:
+                        params[name].copy_(alpha * params[name] + (1 - alpha) * outer[name])
+                    else:
+                        params[name].copy_(outer[name])
+        del held[f]
+
     step, epoch = 0, 0
     while step < steps:
         for index in shares.batches(epoch, engine_cases.BATCH):
@@ -45,20 +69,19 @@ def _oracle(sync_every, outer_lr, outer_momentum, nesterov, fragments, steps=STE
                 opt.zero_grad()
                 torch.nn.functional.cross_entropy(model(x[index[i]]), y[index[i]]).backward()
                 opt.step()
-            for f, (group, outer_opt) in enumerate(zip(groups, outer_opts)):
+            for f in range(len(groups)):
+                if f in held and held[f][0] == step:
+                    land(f)
                 shifted = step - f * (sync_every // len(groups))
                 if shifted < 0 or shifted % sync_every:
                     continue
                 with torch.no_grad():
-                    for name in group:
-                        mean = torch.stack([dict(m.named_parameters())[name] for m in models]).mean(0)
-                        outer[name].grad = outer[name].detach() - mean
-                outer_opt.step()
-                with torch.no_grad():
-                    for model in models:
-                        params = dict(model.named_parameters())
-                        for name in group:
-                            params[name].copy_(outer[name])
+                    deltas = {name: outer[name].detach()
+                              - torch.stack([dict(m.named_parameters())[name] for m in models]).mean(0)
+                              for name in groups[f]}
+                held[f] = (step + overlap, deltas)
+                if not overlap:
+                    land(f)
         epoch += 1
     return torch.stack([torch.nn.utils.parameters_to_vector(m.parameters()).detach() for m in models])
 
@@ -101,6 +124,12 @@ SETTINGS = [
     ("streaming", {"sync_every": 4, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, "fragments": 2}),
     ("three_fragments", {"sync_every": 3, "outer_lr": 0.9, "outer_momentum": 0.5, "nesterov": True,
                          "fragments": 3}),
+    # Streaming DiLoCo's overlap: one fragment τ = 2 steps in flight, the paper's α = 0.5
+    ("overlap", {"sync_every": 4, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, "fragments": 1,
+                 "overlap": 2}),
+    # fragments staggered by 3 steps, each landing 2 later, merged at α = 0.25
+    ("streaming_overlap", {"sync_every": 6, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True,
+                           "fragments": 2, "overlap": 2, "merge_alpha": 0.25}),
 ]
 
 
@@ -136,10 +165,13 @@ def _processes(rank, world, cases):
     return engine_cases.per_rank(rank, world, cases)
 
 
-CASES = [(label, "diloco", kwargs) for label, kwargs in SETTINGS[:3]] + [
+CASES = [(label, "diloco", kwargs) for label, kwargs in SETTINGS[:3] + SETTINGS[4:]] + [
     ("fp16", "diloco", {"sync_every": 3, "compression": "fp16"}),
     ("bf16", "diloco", {"sync_every": 3, "compression": "bf16"}),
     ("minmax8", "diloco", {"sync_every": 3, "compression": "minmax8"}),
+    # in flight as fp16 (the mean lands in the working dtype when waited for), and 8-bit
+    ("fp16_overlap", "diloco", {"sync_every": 3, "compression": "fp16", "overlap": 2}),
+    ("minmax8_overlap", "diloco", {"sync_every": 4, "fragments": 2, "compression": "minmax8", "overlap": 1}),
 ]
 
 
@@ -151,7 +183,7 @@ def per_rank():
 # An fp16 allreduce adds in fp16 on the wire (gloo's ring rounds each partial sum to
 # fp16), the stacked one sums the fp16 rows in float32 and rounds once: the averaged Δ
 # differs by a few fp16 ulps of Δ (2^-11 relative; bf16: 2^-8), which the outer steps carry.
-RTOL = {"fp16": 1e-3, "bf16": 1e-2}
+RTOL = {"fp16": 1e-3, "bf16": 1e-2, "fp16_overlap": 1e-3}
 
 
 @pytest.mark.parametrize("label,name,kwargs", CASES, ids=[c[0] for c in CASES])
@@ -185,9 +217,10 @@ def test_compression_changes_the_pseudo_gradient_and_counts_fewer_bytes():
     assert counts["minmax4"] < counts["minmax8"] < counts["fp16"]
 
 
-def _resume_worker(rank, world):
+def _resume_worker(rank, world, kwargs):
     """Train 4 steps, checkpoint, 4 more; a fresh model resumed from the checkpoint takes
-    the same 4 more steps: equal bit for bit."""
+    the same 4 more steps: equal bit for bit. Returns (equal, the fragment's saved keys,
+    the saved step its outer step is due at, 0 without overlap)."""
     import bagua_algos as bagua
     from bagua_algos.algorithms import DiLoCoAlgorithm
 
@@ -197,7 +230,7 @@ def _resume_worker(rank, world):
     def wrapped():
         net = engine_cases.model()
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-        return net.with_bagua([opt], DiLoCoAlgorithm(sync_every=3, fragments=2)), opt
+        return net.with_bagua([opt], DiLoCoAlgorithm(**kwargs)), opt
 
     def steps(net, opt, batches):
         for k in batches:
@@ -214,16 +247,25 @@ def _resume_worker(rank, world):
     resumed_opt.load_state_dict(checkpoint["opt"])
     resumed.load_bagua_state_dict(checkpoint["bagua"])
     steps(resumed, resumed_opt, range(4, 8))
-    keys = sorted(checkpoint["bagua"]["bucket_state"]["fragment1"])
+    saved = checkpoint["bagua"]["bucket_state"]["fragment0"]
     same = all(torch.equal(a, b) for a, b in zip(net.parameters(), resumed.parameters()))
     bagua.get_rank()
-    return same, keys
+    return same, sorted(saved), saved.get("diloco_due", 0)
 
 
 def test_a_checkpoint_resumes_exactly():
-    for same, keys in run_workers(_resume_worker, 2, timeout=90):
+    for same, keys, _ in run_workers(_resume_worker, 2, {"sync_every": 3, "fragments": 2}, timeout=90):
         assert same
         assert keys == ["diloco_momentum", "diloco_outer", "diloco_outer_steps"]
+
+
+def test_a_checkpoint_between_an_overlapped_sync_and_its_merge_resumes_exactly():
+    """Synchronised after step 3, merged after step 5: the checkpoint after step 4 holds
+    the averaged Δ in flight and the step it lands at."""
+    for same, keys, due in run_workers(_resume_worker, 2, {"sync_every": 3, "overlap": 2}, timeout=90):
+        assert same
+        assert keys == ["diloco_due", "diloco_momentum", "diloco_outer", "diloco_outer_steps", "diloco_pending"]
+        assert due == 5
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -234,9 +276,61 @@ def test_a_checkpoint_resumes_exactly():
     ({"fragments": 0}, "fragments"),
     ({"sync_every": 2, "fragments": 3}, "fragments=3"),
     ({"compression": "int3"}, "compression"),
+    ({"overlap": -1}, "overlap"),
+    ({"sync_every": 4, "overlap": 4}, "overlap must be .* < ⌊sync_every/fragments⌋ = 4"),
+    ({"sync_every": 8, "fragments": 4, "overlap": 2}, "overlap must be .* = 2"),
+    ({"overlap": 1.5}, "overlap"),
+    ({"merge_alpha": 0.5}, "merge_alpha=0.5 .* needs overlap >= 1"),
+    ({"overlap": 1, "merge_alpha": 1.5}, "merge_alpha must be a number in \\[0, 1\\]"),
 ])
 def test_bad_arguments_are_refused_by_name(kwargs, match):
     from bagua_algos.algorithms import DiLoCoAlgorithm
 
     with pytest.raises(ValueError, match=match):
         DiLoCoAlgorithm(**kwargs)
+
+
+def test_overlap_defaults_to_the_papers_mixing_factor():
+    from bagua_algos.algorithms import DiLoCoAlgorithm
+
+    assert DiLoCoAlgorithm(sync_every=10, overlap=3).merge_alpha == 0.5
+    assert DiLoCoAlgorithm(sync_every=10).merge_alpha == 0.0  # τ = 0: every worker takes θ_outer
+
+
+def _resume_without_overlap_worker(rank, world):
+    """A checkpoint taken with a fragment in flight (overlap=2: synchronised after step
+    3, due after step 5) loaded by a run with overlap=0: its outer step still lands after
+    step 5, and the worker takes θ_outer (the merge of plain DiLoCo)."""
+    from bagua_algos.algorithms import DiLoCoAlgorithm
+
+    x, y = engine_cases.data()
+    xs, ys = x[rank::world][:48].view(6, 8, 12), y[rank::world][:48].view(6, 8)
+
+    def wrapped(**kwargs):
+        net = engine_cases.model()
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        return net.with_bagua([opt], DiLoCoAlgorithm(sync_every=3, **kwargs)), opt
+
+    def step(net, opt, k):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(xs[k]), ys[k]).backward()
+        opt.step()
+
+    net, opt = wrapped(overlap=2)
+    for k in range(4):
+        step(net, opt, k)
+    checkpoint = copy.deepcopy({"model": net.state_dict(), "opt": opt.state_dict(), "bagua": net.bagua_state_dict()})
+    resumed, resumed_opt = wrapped()
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt.load_state_dict(checkpoint["opt"])
+    resumed.load_bagua_state_dict(checkpoint["bagua"])
+    bucket = resumed.bagua_buckets[0]
+    before = bucket.state["diloco_outer_steps"]
+    step(resumed, resumed_opt, 4)
+    return before, bucket.state["diloco_outer_steps"], torch.equal(bucket.flat_view(), bucket.state["diloco_outer"])
+
+
+def test_an_overlapped_checkpoint_resumed_without_overlap_takes_its_outer_step():
+    for before, after, takes_outer in run_workers(_resume_without_overlap_worker, 2, timeout=90):
+        assert (before, after) == (0, 1)
+        assert takes_outer

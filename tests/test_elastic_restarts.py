@@ -5,6 +5,9 @@
   and finishes, and for every family the final state equals, bit for bit, that of a
   run never killed and resumed from the same checkpoint (one launch for all families,
   torchrun's c10d rendezvous; benchmarks/elastic_faults.py repeats it 20 times a family).
+  The same for DiLoCo, plain and streaming with overlap, in a launch of their own: the
+  outer model and momentum, and a fragment's averaged pseudo-gradient in flight at the
+  checkpoint, survive the restart.
 - A round that cannot form its group fails within init_timeout and the agent's next
   round trains: no wait of the job's whole timeout.
 - A job stopped at 4 workers resumes at 2, and one stopped at 2 resumes at 4.
@@ -60,6 +63,19 @@ def test_a_killed_worker_restarts_and_resumes_bit_for_bit(killed_and_restarted, 
     assert differ == [], f"{family}: the restarted run's final state differs from the reference on {differ}"
     assert run["accuracy"] == run["reference_accuracy"]
     assert run["left_behind"] == []
+
+
+def test_diloco_s_outer_state_survives_a_restart(tmp_path):
+    # diloco_streaming (H = 4, two fragments, τ = 1): fragment 1 synchronises after step
+    # 10, the checkpoint's step, and lands after step 11, in the restarted round
+    run = kill_and_restart(tmp_path, ["diloco", "diloco_streaming"], steps=14, save_every=5, kill_step=12,
+                           launcher="torchrun", max_restarts=2, step_seconds=0.05, timeout=180)
+    left_behind = processes_naming(str(tmp_path))
+    assert not run["hung"] and run["exit_code"] == 0, run.get("log")
+    assert run["restarts"] >= 1 and run["resumed_from"] == 10
+    assert run["differ"] == [], f"the restarted run's final state differs from the reference on {run['differ']}"
+    assert run["accuracy"] == run["reference_accuracy"]
+    assert left_behind == []
 
 
 STUCK_ROUND = """

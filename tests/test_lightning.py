@@ -31,8 +31,9 @@ from bagua_algos.algorithms.table import config_by_label, one_per_algorithm  # n
 LABELS = [config.label for config in one_per_algorithm()]
 # Rows whose resume from an epoch-end checkpoint is checked (each costs a fit): the
 # baseline and those with state beyond the parameters (D-PSGD's exchange count, relay's
-# messages, PowerSGD's factors and error, TernGrad's generator).
-RESUMED = ("gradient_allreduce", "decentralized", "relay_chain", "powersgd", "terngrad")
+# messages, PowerSGD's factors and error, TernGrad's generator, DiLoCo's outer model and
+# momentum).
+RESUMED = ("gradient_allreduce", "decentralized", "relay_chain", "powersgd", "terngrad", "diloco")
 EPOCHS = 2
 
 

@@ -19,6 +19,29 @@ The inner optimizer's state is kept across rounds (the paper's). With ``outer_lr
 ``allreduce_average(communication_interval=H)`` with DiLoCo's schedule (after steps H,
 2H, … instead of Bagua's 1, H + 1, …).
 
+Overlap (Streaming DiLoCo, ``overlap=τ`` ≥ 1): the allreduce of fragment f's Δ starts
+after inner step t and the worker trains on; after inner step t + τ it waits for the
+result, takes the outer step 3 (from θ_outer and the Δ of step t: the outer copy and
+momentum do not change in between), and merges instead of step 4:
+
+4'. θ_i ← α θ_i(t + τ) + (1 − α) θ_outer       α = ``merge_alpha``
+
+This is the merge of Streaming DiLoCo (Douillard et al. 2025) with its mixing factor α,
+defaulting to the paper's α = 0.5 (α = 0 takes the outer model; α = 1 keeps the local
+one). torchft's DiLoCo names τ ``fragment_sync_delay`` and α ``fragment_update_alpha``
+and accepts only α = 0. The next pseudo-gradient is again taken against θ_outer, not
+against the merged parameters. τ = 0 is plain DiLoCo (step 4, no merge). τ < ⌊H/F⌋, as
+torchft requires: a fragment's result lands before the next fragment starts, so one
+fragment is in flight at a time. In a job the allreduce is posted with
+``async_op=True`` (gloo and NCCL run it beside the training thread) and its handle
+waited for at step t + τ; ``minmax*`` run their two collective stages at step t (the
+codec decodes and re-encodes between them), so there the result is only held. On the
+engine the stacked collective is synchronous and the result is held for τ steps: the
+same arithmetic. A run that ends with a fragment in flight leaves its outer step
+untaken (as the paper's schedule). A checkpoint first waits for the fragments in flight
+and saves the averaged Δ (``diloco_pending``) and the step it lands at
+(``diloco_due``, 0: none): a resumed run takes that outer step at that step.
+
 ``compression`` sends Δ_i through a codec (the bytes counted are what a worker hands to
 the collective): ``"fp16"`` / ``"bf16"`` (an allreduce of Δ_i rounded to that dtype, as
 OpenDiLoCo's FP16 outer all-reduce), ``"minmax8"`` / ``"minmax4"`` (Bagua's min-max
@@ -53,11 +76,13 @@ if TYPE_CHECKING:
     from ..runtime.ddp import BaguaDistributedDataParallel
 
 __all__ = ["DiLoCoAlgorithm", "DiLoCoAlgorithmImpl", "DILOCO_COMPRESSIONS", "fragment_syncs_at", "fragment_groups",
-           "outer_sgd_step_"]
+           "outer_sgd_step_", "STREAMING_MERGE_ALPHA"]
 
 DILOCO_COMPRESSIONS = (None, "fp16", "bf16", "minmax8", "minmax4")
 _CAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _BITS = {"minmax8": 8, "minmax4": 4}
+#: Streaming DiLoCo's mixing factor α (its Algorithm 2): θ_i ← α θ_i + (1 − α) θ_outer.
+STREAMING_MERGE_ALPHA = 0.5
 
 
 def fragment_syncs_at(step: int, fragment: int, fragments: int, sync_every: int) -> bool:
@@ -109,11 +134,15 @@ def outer_sgd_step_(outer: torch.Tensor, momentum: torch.Tensor, delta: torch.Te
 class DiLoCoAlgorithmImpl(ModelAveragingAlgorithmImpl):
     """Per fragment, one bucket (``fragment<f>``) whose ``state`` holds θ_outer
     (``diloco_outer``), the outer momentum (``diloco_momentum``) and how many outer steps
-    it took (``diloco_outer_steps``): checkpointed with the bucket, resumed exactly."""
+    it took (``diloco_outer_steps``), and with ``overlap`` the averaged Δ in flight
+    (``diloco_pending``) and the step its outer step lands at (``diloco_due``, 0: none):
+    checkpointed with the bucket, resumed exactly."""
 
     WORLD_SIZE_RULE = {
         "step counter": "carried over (so the synchronisation schedule goes on)",
         "outer model, outer momentum, outer steps": "carried over (the same on every rank, whatever n)",
+        "averaged pseudo-gradient in flight and its step (overlap)":
+            "carried over (the average is the same on every rank, whatever n)",
         "fragments": "rebuilt alike (they depend on the model only)",
     }
 
@@ -121,6 +150,7 @@ class DiLoCoAlgorithmImpl(ModelAveragingAlgorithmImpl):
         super().__init__(process_group)
         self.settings = settings
         self.bytes_total = 0  # what this worker handed to collectives (a worker's, on the engine too)
+        self._in_flight: dict = {}  # bucket name -> the CommHandle of its Δ's allreduce (overlap)
 
     def tensors_to_buckets(self, tensors: list, do_flatten: bool) -> list[BaguaBucket]:
         flat = [t for group in tensors for t in group]
@@ -141,14 +171,24 @@ class DiLoCoAlgorithmImpl(ModelAveragingAlgorithmImpl):
             state["diloco_outer"] = weights.detach().clone()
             state["diloco_momentum"] = torch.zeros_like(weights)
             state["diloco_outer_steps"] = 0
+        if self.settings.overlap and not (torch.is_tensor(state.get("diloco_pending"))
+                                          and state["diloco_pending"].shape == weights.shape):
+            state["diloco_pending"] = torch.zeros_like(weights)
+            state["diloco_due"] = 0
 
     def init_post_optimizer_step_hook(self, bagua_ddp: BaguaDistributedDataParallel) -> PostOptimizerStepHook:
         def hook(optimizer):
             step = bagua_ddp.bagua_train_step_counter
             settings = self.settings
             for f, bucket in enumerate(bagua_ddp.bagua_buckets):
+                due = bucket.state.get("diloco_due", 0)
+                if due and step >= due:  # (also a checkpoint's, resumed with overlap=0: merge_alpha 0 then)
+                    self.finish_outer_step(bucket)
                 if fragment_syncs_at(step, f, len(bagua_ddp.bagua_buckets), settings.sync_every):
-                    self.outer_step(bucket)
+                    if settings.overlap:
+                        self.start_outer_step(bucket, step)
+                    else:
+                        self.outer_step(bucket)
 
         return hook
 
@@ -166,8 +206,45 @@ class DiLoCoAlgorithmImpl(ModelAveragingAlgorithmImpl):
         weights.copy_(outer)
         bucket.write_flat(weights)
 
-    def _average(self, delta: torch.Tensor) -> int:
-        """Δ ← mean_i Δ_i through the compression, in place; returns a worker's bytes."""
+    @torch.no_grad()
+    def start_outer_step(self, bucket: BaguaBucket, step: int) -> None:
+        """Steps 1–2 on one fragment, the allreduce left running; its outer step and merge
+        come after step ``step`` + τ (:meth:`finish_outer_step`)."""
+        state = bucket.state
+        delta = state["diloco_pending"]
+        torch.sub(state["diloco_outer"], bucket.flat_view(), out=delta)  # Δ_i
+        handle, sent = self._average(delta, async_op=True)
+        self.bytes_total += sent
+        self._in_flight[bucket.name] = handle
+        state["diloco_due"] = step + self.settings.overlap
+
+    @torch.no_grad()
+    def finish_outer_step(self, bucket: BaguaBucket) -> None:
+        """Waits for the fragment's averaged Δ, steps θ_outer on it (step 3) and merges
+        (step 4'): θ_i ← α θ_i + (1 − α) θ_outer."""
+        settings, state = self.settings, bucket.state
+        handle = self._in_flight.pop(bucket.name, None)
+        if handle is not None:
+            handle.wait()
+        outer = state["diloco_outer"]
+        outer_sgd_step_(outer, state["diloco_momentum"], state["diloco_pending"], settings.outer_lr,
+                        settings.outer_momentum, settings.nesterov, state["diloco_outer_steps"] == 0)
+        state["diloco_outer_steps"] += 1
+        state["diloco_due"] = 0
+        weights = bucket.flat_view()
+        weights.mul_(settings.merge_alpha).add_(outer, alpha=1.0 - settings.merge_alpha)
+        bucket.write_flat(weights)
+
+    def wait_in_flight(self) -> None:
+        """Wait for every fragment's allreduce in flight: its averaged Δ is then in
+        ``diloco_pending`` (what a checkpoint saves)."""
+        for handle in self._in_flight.values():
+            handle.wait()
+
+    def _average(self, delta: torch.Tensor, async_op: bool = False):
+        """Δ ← mean_i Δ_i through the compression, in place; returns a worker's bytes, or
+        with ``async_op`` (handle, bytes): ``delta`` holds the mean once the handle's
+        ``wait()`` returns. The min-max codec runs its stages now (a done handle)."""
         compression = self.settings.compression
         if compression in _BITS:
             before = comm.bytes_sent()
@@ -175,18 +252,31 @@ class DiLoCoAlgorithmImpl(ModelAveragingAlgorithmImpl):
             compressed_scatter_gather(x, _BITS[compression], True, self.process_group)
             if x is not delta:
                 delta.copy_(x)
-            return comm.bytes_sent() - before
+            sent = comm.bytes_sent() - before
+            return (comm.CommHandle(), sent) if async_op else sent
         wire = delta if compression is None else delta.to(_CAST[compression])
-        comm.allreduce_inplace(wire, comm.ReduceOp.AVG, group=self.process_group)
+        sent = wire.shape[-1] * wire.element_size()
+        handle = comm.allreduce_inplace(wire, comm.ReduceOp.AVG, group=self.process_group, async_op=True)
         if wire is not delta:
-            delta.copy_(wire)
-        return wire.shape[-1] * wire.element_size()
+            handle.then(lambda: delta.copy_(wire))  # back to the working dtype once the mean has arrived
+        if async_op:
+            return handle, sent
+        handle.wait()
+        return sent
+
+    def on_detach(self, bagua_ddp: BaguaDistributedDataParallel) -> None:
+        self.wait_in_flight()  # no collective of this module outlives its hooks
 
     def state_dict(self) -> dict:
+        # The runtime saves this before cloning the buckets' state: the fragments in
+        # flight land in their ``diloco_pending`` first.
+        self.wait_in_flight()
         return {"bytes_total": self.bytes_total}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
+        self.wait_in_flight()  # what was in flight is replaced by the checkpoint's
+        self._in_flight.clear()
         self.bytes_total = int(state.get("bytes_total", 0))
 
 
@@ -200,6 +290,12 @@ class DiLoCoAlgorithm(Algorithm):
         nesterov: Nesterov momentum in the outer step (DiLoCo's; needs μ > 0).
         fragments: F, the parameters cut into F fragments of whole tensors, fragment f
             synchronised at steps f·⌊H/F⌋ + kH (Streaming DiLoCo; 1: all at once).
+        overlap: τ, the inner steps between the start of a fragment's allreduce and its
+            outer step (Streaming DiLoCo; 0: at once, plain DiLoCo). Less than
+            ⌊sync_every / fragments⌋.
+        merge_alpha: α of Streaming DiLoCo's merge θ_i ← α θ_i + (1 − α) θ_outer, in
+            [0, 1], used with ``overlap`` ≥ 1 (None: the paper's 0.5); with overlap 0 the
+            worker takes θ_outer and passing it is an error.
         compression: None, ``"fp16"``, ``"bf16"``, ``"minmax8"`` or ``"minmax4"``: how
             the pseudo-gradients travel (the module's notes).
 
@@ -207,7 +303,7 @@ class DiLoCoAlgorithm(Algorithm):
     """
 
     def __init__(self, sync_every: int = 500, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 nesterov: bool = True, fragments: int = 1, compression=None):
+                 nesterov: bool = True, fragments: int = 1, overlap: int = 0, merge_alpha=None, compression=None):
         self.sync_every = check_int("sync_every", sync_every, 1, what="the inner steps between outer steps, >= 1")
         self.outer_lr = check_real("outer_lr", outer_lr, 0.0, low_open=True, what="a finite number > 0 (DiLoCo: 0.7)")
         self.outer_momentum = check_real("outer_momentum", outer_momentum, 0.0, 1.0, high_open=True,
@@ -220,6 +316,20 @@ class DiLoCoAlgorithm(Algorithm):
         if self.fragments > self.sync_every:
             raise ValueError(f"fragments={self.fragments} staggers the fragments by ⌊H/F⌋ steps, so it must be at "
                              f"most sync_every={self.sync_every}")
+        spacing = self.sync_every // self.fragments
+        self.overlap = check_int("overlap", overlap, 0, spacing,
+                                 what=f"an int >= 0 and < ⌊sync_every/fragments⌋ = {spacing} (the steps between two "
+                                      "fragments' synchronisations: a fragment's outer step lands before the next "
+                                      "fragment starts)")
+        if merge_alpha is None:
+            self.merge_alpha = STREAMING_MERGE_ALPHA if self.overlap else 0.0
+        elif not self.overlap:
+            raise ValueError(f"merge_alpha={merge_alpha!r} mixes the local parameters into the outer ones τ steps "
+                             "after a synchronisation, so it needs overlap >= 1; with overlap=0 every worker takes "
+                             "θ_outer (leave merge_alpha None)")
+        else:
+            self.merge_alpha = check_real("merge_alpha", merge_alpha, 0.0, 1.0,
+                                          what="a number in [0, 1] (Streaming DiLoCo: 0.5; 0: take θ_outer)")
         self.compression = check_choice("compression", compression, DILOCO_COMPRESSIONS)
 
     def reify(self, process_group) -> DiLoCoAlgorithmImpl:

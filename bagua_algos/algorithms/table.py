@@ -219,6 +219,9 @@ ALGORITHM_TABLE: tuple[AlgorithmConfig, ...] = (
     AlgorithmConfig("diloco", "diloco", {"sync_every": 2}, replicas="drift"),
     AlgorithmConfig("diloco_streaming_8bit", "diloco", {"sync_every": 4, "fragments": 2, "compression": "minmax8"},
                     replicas="drift", tolerance=1e-3),
+    # Streaming DiLoCo's overlap: each fragment's outer step and merge one step after its sync
+    AlgorithmConfig("diloco_streaming_overlap", "diloco", {"sync_every": 4, "fragments": 2, "overlap": 1},
+                    replicas="drift"),
     AlgorithmConfig("async", "async", {"sync_interval_ms": 5}, replicas="drift", background_rounds=True,
                     exact_alone=True),
 )

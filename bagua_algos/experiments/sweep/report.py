@@ -36,6 +36,10 @@ def config_label(config) -> str:
         return f"{config.name} ({kwargs['peer_selection_mode']})"
     if config.name == "powersgd":
         return f"powersgd (rank {kwargs.get('rank', 1)})"
+    if config.name == "diloco":  # H, and the streaming settings that differ from DiLoCo's defaults
+        parts = [f"H {kwargs.get('sync_every', 500)}"] + [f"{key} {kwargs[key]}" for key in
+                                                         ("fragments", "overlap", "compression") if kwargs.get(key)]
+        return f"diloco ({', '.join(parts)})"
     if config.name == "terngrad":
         clip = kwargs.get("clip")
         return f"terngrad ({kwargs.get('bits', 2)} bits{f', clip {clip}' if clip is not None else ''})"

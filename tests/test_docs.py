@@ -136,7 +136,7 @@ GENERIC = {"tensor", "data", "env", "run", "table", "handle", "base", "utils", "
            "registry", "lifecycle", "communication", "collectives", "arguments", "algorithm", "topology",
            "launch", "checkpoint", "bucket", "gossip", "staging", "neighbors", "helper_thread", "agent_watch",
            "lightning", "compat", "dirichlet", "heterogeneous", "hierarchical", "model_averaging", "diloco"}
-_FILE_SUFFIXES = {"py", "md", "txt", "toml", "json", "csv", "png", "sh", "cpp", "cu", "h", "cfg", "yaml", "yml",
+_FILE_SUFFIXES = {"py", "md", "txt", "toml", "json", "jsonl", "csv", "png", "sh", "cpp", "cu", "h", "cfg", "yaml", "yml",
                   "log", "so", "pt", "pth"}
 
 

@@ -153,3 +153,39 @@ class GradientProbe(torch.nn.Module):
             out = out + (p * g[offset:offset + p.numel()].view(p.shape)).sum()
             offset += p.numel()
         return out
+
+
+def checkpoint_resume(rank, world, name, kwargs, bucket):
+    """In a gloo worker: train 4 steps of SGD with momentum under ``Algorithm.init(name,
+    **kwargs)``, checkpoint (model, optimizer, ``bagua_state_dict``), train 4 more; a fresh
+    model resumed from the checkpoint takes the same 4 more steps. Returns (equal bit for
+    bit, bucket ``bucket``'s saved state)."""
+    import copy
+
+    from bagua_algos import Algorithm
+
+    x, y = data()
+    xs, ys = x[rank::world][:64].view(8, 8, 12), y[rank::world][:64].view(8, 8)
+
+    def wrapped():
+        net = model()
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        return net.with_bagua([opt], Algorithm.init(name, **kwargs)), opt
+
+    def steps(net, opt, batches):
+        for k in batches:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(xs[k]), ys[k]).backward()
+            opt.step()
+
+    net, opt = wrapped()
+    steps(net, opt, range(4))
+    checkpoint = copy.deepcopy({"model": net.state_dict(), "opt": opt.state_dict(), "bagua": net.bagua_state_dict()})
+    steps(net, opt, range(4, 8))
+    resumed, resumed_opt = wrapped()
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt.load_state_dict(checkpoint["opt"])
+    resumed.load_bagua_state_dict(checkpoint["bagua"])
+    steps(resumed, resumed_opt, range(4, 8))
+    same = all(torch.equal(a, b) for a, b in zip(net.parameters(), resumed.parameters()))
+    return same, checkpoint["bagua"]["bucket_state"][bucket]

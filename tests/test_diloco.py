@@ -218,38 +218,9 @@ def test_compression_changes_the_pseudo_gradient_and_counts_fewer_bytes():
 
 
 def _resume_worker(rank, world, kwargs):
-    """Train 4 steps, checkpoint, 4 more; a fresh model resumed from the checkpoint takes
-    the same 4 more steps: equal bit for bit. Returns (equal, the fragment's saved keys,
-    the saved step its outer step is due at, 0 without overlap)."""
-    import bagua_algos as bagua
-    from bagua_algos.algorithms import DiLoCoAlgorithm
-
-    x, y = engine_cases.data()
-    xs, ys = x[rank::world][:64].view(8, 8, 12), y[rank::world][:64].view(8, 8)
-
-    def wrapped():
-        net = engine_cases.model()
-        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-        return net.with_bagua([opt], DiLoCoAlgorithm(**kwargs)), opt
-
-    def steps(net, opt, batches):
-        for k in batches:
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(net(xs[k]), ys[k]).backward()
-            opt.step()
-
-    net, opt = wrapped()
-    steps(net, opt, range(4))
-    checkpoint = copy.deepcopy({"model": net.state_dict(), "opt": opt.state_dict(), "bagua": net.bagua_state_dict()})
-    steps(net, opt, range(4, 8))
-    resumed, resumed_opt = wrapped()
-    resumed.load_state_dict(checkpoint["model"])
-    resumed_opt.load_state_dict(checkpoint["opt"])
-    resumed.load_bagua_state_dict(checkpoint["bagua"])
-    steps(resumed, resumed_opt, range(4, 8))
-    saved = checkpoint["bagua"]["bucket_state"]["fragment0"]
-    same = all(torch.equal(a, b) for a, b in zip(net.parameters(), resumed.parameters()))
-    bagua.get_rank()
+    """(equal after resuming, the first fragment's saved keys, the saved step its outer
+    step is due at, 0 without overlap): engine_cases.checkpoint_resume."""
+    same, saved = engine_cases.checkpoint_resume(rank, world, "diloco", kwargs, "fragment0")
     return same, sorted(saved), saved.get("diloco_due", 0)
 
 

@@ -9,7 +9,6 @@ checkpoints, and the arguments and topologies each refuses."""
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -210,35 +209,8 @@ def test_every_engine_worker_equals_its_process(per_rank, label, name, kwargs):
 
 
 def _resume_worker(rank, world, name, kwargs):
-    """Train 4 steps, checkpoint, 4 more; a fresh model resumed from the checkpoint takes
-    the same 4 more steps: equal bit for bit."""
-    from bagua_algos import Algorithm
-
-    x, y = engine_cases.data()
-    xs, ys = x[rank::world][:64].view(8, 8, 12), y[rank::world][:64].view(8, 8)
-
-    def wrapped():
-        net = engine_cases.model()
-        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-        return net.with_bagua([opt], Algorithm.init(name, **kwargs)), opt
-
-    def steps(net, opt, batches):
-        for k in batches:
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(net(xs[k]), ys[k]).backward()
-            opt.step()
-
-    net, opt = wrapped()
-    steps(net, opt, range(4))
-    checkpoint = copy.deepcopy({"model": net.state_dict(), "opt": opt.state_dict(), "bagua": net.bagua_state_dict()})
-    steps(net, opt, range(4, 8))
-    resumed, resumed_opt = wrapped()
-    resumed.load_state_dict(checkpoint["model"])
-    resumed_opt.load_state_dict(checkpoint["opt"])
-    resumed.load_bagua_state_dict(checkpoint["bagua"])
-    steps(resumed, resumed_opt, range(4, 8))
-    return (all(torch.equal(a, b) for a, b in zip(net.parameters(), resumed.parameters())),
-            sorted(checkpoint["bagua"]["bucket_state"]["0"]))
+    same, saved = engine_cases.checkpoint_resume(rank, world, name, kwargs, "0")
+    return same, sorted(saved)
 
 
 RESUME = [

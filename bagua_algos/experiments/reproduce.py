@@ -838,23 +838,10 @@ def sweep(ctx, labels, lr_grid=LR_GRID) -> list[dict]:
     5.1-5.3 are those runs' best rates, so the four commands share one sweep per seed (a
     later command reuses one whose arguments match exactly). At the seed scale a command
     sweeps its own rows only (each is GPU-hours)."""
-    from bagua_algos.algorithms.table import config_by_label
-    from bagua_algos.experiments.common import config_spec
-
     proxy = ctx.scale == "proxy"
     swept = list(THESIS_A) if proxy else list(labels)
-    epochs = ctx.args.epochs or (30 if proxy else (50 if ctx.experiment.name == "seed002-tableA" else 200))
-    workers = ctx.args.workers or 8
-    base = ["--workers", str(workers), "--epochs", str(epochs), "--alphas", ",".join(f"{a:g}" for a in ALPHAS),
-            "--lr-grid", ",".join(f"{g:g}" for g in lr_grid),
-            "--configs", ";".join(config_spec(config_by_label(label)) for label in swept), "--no-progress"]
-    if proxy:
-        base += ["--dataset", "digits", "--model", "mlp", "--batch-size", "16"]
-    else:
-        base += ["--dataset", "cifar10", "--data-dir", ctx.args.data_dir, "--model", "vgg11", "--batch-size", "32",
-                 "--device", "cuda" if ctx.device.type == "cuda" else "cpu", "--threads", str(torch.get_num_threads())]
-    if ctx.args.max_steps:
-        base += ["--max-steps-per-epoch", str(ctx.args.max_steps)]
+    epochs = 30 if proxy else (50 if ctx.experiment.name == "seed002-tableA" else 200)
+    base = sweep_argv(ctx, swept, 8, epochs, lr_grid)
     seed_text = ("CIFAR-10, VGG-11, 8 GPUs x 32, lr tuned over {0.01, 0.025, 0.05, 0.075, 0.1} on 50 epochs "
                  "(Tables A.1-A.3 are those 50-epoch runs; the figures train 200 epochs at the chosen rates)")
     ctx.header(seed_text, f"heterogeneity_sweep {' '.join(base)} --seed S for S in {ctx.seeds}",
@@ -862,6 +849,27 @@ def sweep(ctx, labels, lr_grid=LR_GRID) -> list[dict]:
                "both the grid and the figures, no augmentation, instead of CIFAR-10/VGG-11/50 and 200 epochs; "
                "D-PSGD is Bagua's 'all' mode without hierarchy (the thesis's 'fully connected')")
     return sweep_seeds(ctx, base, swept, labels, "seed002_sweep")
+
+
+def sweep_argv(ctx, labels: list, workers: int, epochs: int, lr_grid) -> list[str]:
+    """The heterogeneity sweep's arguments for the table rows ``labels`` at every α of
+    ALPHAS over ``lr_grid``: digits and its MLP (batch 16) at the proxy scale; CIFAR-10
+    and VGG-11 (batch 32, on the chosen device) at the seed's; ``--workers``, ``--epochs``
+    and ``--max-steps`` of the command line override."""
+    from bagua_algos.algorithms.table import config_by_label
+    from bagua_algos.experiments.common import config_spec
+
+    base = ["--workers", str(ctx.args.workers or workers), "--epochs", str(ctx.args.epochs or epochs),
+            "--alphas", ",".join(f"{a:g}" for a in ALPHAS), "--lr-grid", ",".join(f"{g:g}" for g in lr_grid),
+            "--configs", ";".join(config_spec(config_by_label(label)) for label in labels), "--no-progress"]
+    if ctx.scale == "proxy":
+        base += ["--dataset", "digits", "--model", "mlp", "--batch-size", "16"]
+    else:
+        base += ["--dataset", "cifar10", "--data-dir", ctx.args.data_dir, "--model", "vgg11", "--batch-size", "32",
+                 "--device", "cuda" if ctx.device.type == "cuda" else "cpu", "--threads", str(torch.get_num_threads())]
+    if ctx.args.max_steps:
+        base += ["--max-steps-per-epoch", str(ctx.args.max_steps)]
+    return base
 
 
 def sweep_seeds(ctx, base: list, swept: list, labels, prefix: str) -> list[dict]:
@@ -1036,23 +1044,7 @@ def relaysum_table2(ctx):
     every row at α ∈ {1, 0.1, 0.01}, the learning rate tuned per row, α and seed on the
     workers' mean accuracy; the paper's numbers beside ours, the same quantity."""
     labels = list(RELAYSUM_TABLE2)
-    proxy = ctx.scale == "proxy"
-    epochs = ctx.args.epochs or (30 if proxy else 200)
-    workers = ctx.args.workers or 16
-    grid = RELAYSUM_LR_GRID[ctx.scale]
-    from bagua_algos.algorithms.table import config_by_label
-    from bagua_algos.experiments.common import config_spec
-
-    base = ["--workers", str(workers), "--epochs", str(epochs), "--alphas", ",".join(f"{a:g}" for a in ALPHAS),
-            "--lr-grid", ",".join(f"{g:g}" for g in grid),
-            "--configs", ";".join(config_spec(config_by_label(label)) for label in labels), "--no-progress"]
-    if proxy:
-        base += ["--dataset", "digits", "--model", "mlp", "--batch-size", "16"]
-    else:
-        base += ["--dataset", "cifar10", "--data-dir", ctx.args.data_dir, "--model", "vgg11", "--batch-size", "32",
-                 "--device", "cuda" if ctx.device.type == "cuda" else "cpu", "--threads", str(torch.get_num_threads())]
-    if ctx.args.max_steps:
-        base += ["--max-steps-per-epoch", str(ctx.args.max_steps)]
+    base = sweep_argv(ctx, labels, 16, 30 if ctx.scale == "proxy" else 200, RELAYSUM_LR_GRID[ctx.scale])
     ctx.header("CIFAR-10, VGG-11, 16 workers x 32, about 200 epochs, 3 seeds, lr tuned per row; each worker's "
                "own model evaluated", f"heterogeneity_sweep {' '.join(base)} --seed S for S in {ctx.seeds}",
                RELAYSUM_PROXY)

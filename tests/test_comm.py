@@ -597,14 +597,17 @@ def test_launcher_backend_flag_sets_the_workers_default(monkeypatch):
 
 def test_only_the_comm_package_calls_torch_distributed():
     """The rule of the runtime: communication goes through bagua_algos.runtime.comm (the
-    launcher imports torch.distributed.run, the agent, which is not communication)."""
+    launcher's modules import torch.distributed.run and its elastic errors, the agent,
+    which is not communication; the experiments, above the runtime, time torch.distributed
+    itself as a baseline and start the test harness's process groups)."""
     import ast
 
     root = REPO / "bagua_algos"
-    allowed = {root / "runtime" / "launch.py"}
+    allowed = {root / "runtime" / "launch.py", root / "runtime" / "launch_report.py"}
     offenders = []
     for path in root.rglob("*.py"):
-        if (root / "runtime" / "comm") in path.parents or path in allowed:
+        if ((root / "runtime" / "comm") in path.parents or (root / "experiments") in path.parents
+                or path in allowed):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else

@@ -408,7 +408,7 @@ def seed001_table1(ctx):
             lr_grid=UNBIASED_RATES),
     ]
     compare(ctx, POWERSGD, rows, ["acc", "data/epoch"], data_column=True, lr_label=True,
-            differs=POWERSGD_DIFFERS + "; the unbiased rows' learning rate tuned on seed 0 over "
+            differs=POWERSGD_DIFFERS + "; the unbiased rows' learning rate tuned on the mean over the seeds over "
             f"{list(UNBIASED_RATES)}: at SGD's 0.1 they diverged in the first epoch on the MLP")
 
 
@@ -470,7 +470,7 @@ def seed001_table4(ctx):
     ]
     compare(ctx, POWERSGD, rows, ["acc", "data/epoch", "time/batch"], data_column=True, time_column=True,
             differs=POWERSGD_DIFFERS + NO_NETWORK + "; Top K at the medium budget takes Sign+Norm's 1/32 of the "
-            "bytes, as in the seed; Random Block, Random K and Sign+Norm tuned on seed 0 over "
+            "bytes, as in the seed; Random Block, Random K and Sign+Norm tuned on the mean over the seeds over "
             f"{list(SEPARATELY_TUNED)} (the seed tuned each method)")
 
 
@@ -490,8 +490,8 @@ def seed001_table6(ctx):
     ]
     compare(ctx, POWERSGD, rows, ["acc", "data/epoch", "time/batch"], data_column=True, time_column=True,
             curves="accuracy", lr_label=True,
-            differs=POWERSGD_DIFFERS + NO_NETWORK + "; Atomo's and Signum's lr tuned on seed 0 over a small grid "
-            "(the seed tuned them separately, its Appendix I)")
+            differs=POWERSGD_DIFFERS + NO_NETWORK + "; Atomo's and Signum's lr tuned on the mean over the seeds "
+            "over a small grid (the seed tuned them separately, its Appendix I)")
 
 
 def seed001_fig7(ctx):
@@ -711,7 +711,7 @@ def seed000_fig4_6(ctx):
             for lam in (0.0, 0.25, 0.5, 0.75, 1.0)]
     out = compare(ctx, POWERSGD, rows, ["claim"], curves="loss", lr_label=True,
                   seed_text="CIFAR-10, ResNet-18, one node, lr tuned per lambda",
-                  differs=THESIS_DIFFERS + f"; lr tuned per lambda over {list(grid)} on seed 0's test accuracy")
+                  differs=THESIS_DIFFERS + f"; lr tuned per lambda over {list(grid)} on the seeds' mean test accuracy")
     losses = {label: rt.spread([r.train_loss[-1] for r in runs])[0] for label, runs in ctx.runs.items()}
     print("   final training loss (mean over seeds): " + ", ".join(f"{k}: {v:.4f}" for k, v in losses.items()))
     return out

@@ -7,6 +7,7 @@ import csv
 import pytest
 
 from bagua_algos.experiments import reproduce
+from bagua_algos.experiments.protocol import PROTOCOLS
 from bagua_algos.experiments.reproduce_train import Setting, iid_batches
 
 
@@ -38,10 +39,14 @@ def test_seed_scale_without_data_is_allowed_where_no_data_is_needed():
 
 
 def test_schedule_warms_up_from_the_one_worker_rate_and_decays():
-    s = Setting("mnist", "mlp", workers=4, batch=8, epochs=10, lr=0.4, warmup_epochs=2, decay_epochs=(5, 8))
-    assert s.lr_at(0) == pytest.approx(0.1) and s.lr_at(1) == pytest.approx(0.25)
-    assert s.lr_at(2) == s.lr_at(4.9) == pytest.approx(0.4)
-    assert s.lr_at(5) == pytest.approx(0.04) and s.lr_at(9) == pytest.approx(0.004)
+    """PowerSGD's protocol at the seed's 300 epochs: from lr/workers over 5 epochs, /10 at 150 and 250."""
+    s = Setting("mnist", "mlp", workers=4, batch=8, epochs=300, lr=0.4, protocol=PROTOCOLS["powersgd"])
+    assert s.lr_at(0) == pytest.approx(0.1) and s.lr_at(2.5) == pytest.approx(0.25)
+    assert s.lr_at(5) == s.lr_at(149.9) == pytest.approx(0.4)
+    assert s.lr_at(150) == pytest.approx(0.04) and s.lr_at(299) == pytest.approx(0.004)
+    scaled = s.with_(epochs=30)  # the same schedule in proportion on a 30-epoch proxy
+    assert scaled.lr_at(0.25) == pytest.approx(0.25) and scaled.lr_at(15) == pytest.approx(0.04)
+    assert "protocol powersgd" in s.describe()
 
 
 def test_iid_shares_deal_each_sample_at_most_once_per_epoch():
@@ -72,18 +77,23 @@ def test_the_codec_example_gives_the_seeds_header(tmp_path, capsys):
 
 
 def test_relaysum_table2_sets_the_papers_numbers_beside_the_workers_models(tmp_path, capsys):
-    """At a reduced size (4 workers, 1 epoch of 2 steps): every row of the paper's table at
-    every α, the paper's number beside ours, ours the workers' own models."""
+    """At a reduced size (4 workers, 1 epoch of 2 steps): both halves of the paper's table
+    (without momentum, with it), every row at every α, each half under its own protocol
+    and grid, the paper's worst worker beside ours, ours the workers' own models."""
     reproduce.main(["relaysum-table2", "--seeds", "1", "--epochs", "1", "--max-steps", "2", "--workers", "4",
                     "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "paper (workers' models)" in out and "53.9%" in out  # D-PSGD (ring) at alpha 0.01
+    assert "paper: worst worker" in out and "53.9%" in out and "63.3%" in out  # D-PSGD, and with QGM, at 0.01
+    assert "protocol relaysum_no_momentum" in out and "protocol relaysum:" in out
     with open(tmp_path / "relaysum-table2.csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 3 * len(reproduce.RELAYSUM_TABLE2)
-    assert {r["method"] for r in rows} == {method for method, _ in reproduce.RELAYSUM_TABLE2.values()}
-    for r in rows:
-        assert 0.0 <= float(r["worst_worker_accuracy"]) <= float(r["workers_accuracy_mean"]) <= 1.0
+    assert len(rows) == 3 * sum(len(half) for half in reproduce.RELAYSUM_TABLE2.values())
+    for half, (protocol, grid) in reproduce.RELAYSUM_HALVES.items():
+        mine = [r for r in rows if r["half"] == half]
+        assert {r["method"] for r in mine} == {m for m, _ in reproduce.RELAYSUM_TABLE2[half].values()}
+        assert all(float(r["lr"]) in grid and r["protocol"] == " ".join(protocol) for r in mine)
+    for r in rows:  # the tail mean of one recorded epoch is that epoch's worst worker
+        assert 0.0 <= float(r["worst_worker_mean"]) <= float(r["workers_mean_accuracy"]) <= 1.0
     assert (tmp_path / "relaysum-table2.png").stat().st_size > 0
 
 

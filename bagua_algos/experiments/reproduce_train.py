@@ -5,8 +5,8 @@ A run trains the stacked workers of one algorithm on the one-process engine
 (:func:`bagua_algos.experiments.training.train_epochs`: one ``engine.step`` per batch,
 the averaged model and every worker evaluated after each epoch), with what the seeds'
 settings add: IID shares (each epoch a seeded permutation dealt out as
-``DistributedSampler`` deals it), a linear warm-up and step decays of the learning
-rate, and, for PowerSGD, the norm of every worker's error buffer after each epoch.
+``DistributedSampler`` deals it), the setting's protocol (optimizer and learning-rate
+schedule, bagua_algos/experiments/protocol.py), and, for PowerSGD, the norm of every worker's error buffer after each epoch.
 
 Bytes are not estimated: :func:`bytes_per_step` runs each algorithm's per-rank form on
 two gloo workers and reads the package's counter of bytes handed to collectives
@@ -29,6 +29,7 @@ import torch
 from bagua_algos.algorithms.table import AlgorithmConfig
 from bagua_algos.engine import Engine
 from bagua_algos.engine.data import WorkerShares
+from bagua_algos.experiments.protocol import PROTOCOLS, Protocol, tail_accuracy
 from bagua_algos.experiments.training import StackedWorkers, train_epochs
 
 __all__ = ["Setting", "Run", "make_model", "load", "train", "bytes_per_step", "time_step"]
@@ -38,11 +39,12 @@ MODELS = ("mlp", "cnn", "resnet18", "vgg11", "vgg19")
 
 @dataclass(frozen=True)
 class Setting:
-    """One training setting: the task, the model, the workers and the schedule.
+    """One training setting: the task, the model, the workers, and the protocol.
 
-    ``lr`` is the peak learning rate of the averaged gradient; with ``warmup_epochs`` it
-    rises linearly from ``lr / workers`` (the one-worker rate) over those epochs, as in
-    seed 001's setting, and is divided by 10 at each of ``decay_epochs``.
+    ``lr`` is the peak learning rate; the ``protocol``
+    (:class:`bagua_algos.experiments.protocol.Protocol`) names the optimizer, how the
+    rate is warmed up and decayed over ``epochs`` (its paper's milestones scaled to this
+    run's length) and the quantity reported first.
     ``alpha``: None for IID shares, else the Dirichlet α of ``WorkerShares``."""
 
     dataset: str
@@ -51,32 +53,21 @@ class Setting:
     batch: int  # per worker
     epochs: int
     lr: float
-    momentum: float = 0.9
-    weight_decay: float = 1e-4
-    warmup_epochs: int = 0
-    decay_epochs: tuple = ()
+    protocol: Protocol = PROTOCOLS["heavy_ball"]
     alpha: float | None = None
     max_steps_per_epoch: int | None = None
 
     def describe(self) -> str:
         data = "IID" if self.alpha is None else f"Dirichlet alpha={self.alpha:g}"
-        schedule = f"lr {self.lr:g}"
-        if self.warmup_epochs:
-            schedule += f", warm-up {self.warmup_epochs} epochs"
-        if self.decay_epochs:
-            schedule += f", /10 at {list(self.decay_epochs)}"
         return (f"{self.dataset}, {self.model}, {self.workers} workers x batch {self.batch} ({data}), "
-                f"{self.epochs} epochs, SGD momentum {self.momentum:g}, {schedule}, weight decay {self.weight_decay:g}")
+                f"{self.epochs} epochs, peak lr {self.lr:g}; {self.protocol.describe(self.epochs)}")
 
     def with_(self, **changes) -> "Setting":
         return replace(self, **changes)
 
     def lr_at(self, epoch_float: float) -> float:
         """The learning rate at ``epoch_float`` (epochs done, fractional)."""
-        if self.warmup_epochs and epoch_float < self.warmup_epochs:
-            start = self.lr / self.workers
-            return start + (self.lr - start) * epoch_float / self.warmup_epochs
-        return self.lr * 0.1 ** sum(epoch_float >= d for d in self.decay_epochs)
+        return self.lr * self.protocol.lr_factor(epoch_float, self.epochs, self.workers)
 
 
 def make_model(name: str, sample_shape: tuple, num_classes: int = 10) -> torch.nn.Module:
@@ -139,6 +130,9 @@ class Run:
     # them (the same for an algorithm that keeps every worker's model equal)
     test_accuracy: list = field(default_factory=list)  # the workers' own models, mean over workers
     worst_worker_accuracy: list = field(default_factory=list)
+    # the RelaySum paper's quantity: each worker's accuracy over the protocol's tail of
+    # epochs, the minimum over workers (the last epoch's worst worker when it has no tail)
+    worst_worker_tail_accuracy: float = float("nan")
     averaged_accuracy: list = field(default_factory=list)
     train_loss: list = field(default_factory=list)  # mean over workers and the epoch's steps
     error_norm: list = field(default_factory=list)  # mean over workers of ||e_w||, after each epoch
@@ -155,6 +149,13 @@ class Run:
     @property
     def final_averaged_accuracy(self) -> float:
         return self.averaged_accuracy[-1] if self.averaged_accuracy and not self.diverged else float("nan")
+
+    def headline(self, protocol: Protocol) -> float:
+        """The protocol's quantity of this run (nan when it diverged)."""
+        if self.diverged:
+            return float("nan")
+        return {"workers_mean": self.final_accuracy, "averaged_model": self.final_averaged_accuracy,
+                "worst_worker_tail": self.worst_worker_tail_accuracy}[protocol.quantity]
 
     @property
     def final_worst_worker_accuracy(self) -> float:
@@ -184,8 +185,7 @@ def train(setting: Setting, data, config: AlgorithmConfig, seed: int, lr: float 
     setting = setting if lr is None else setting.with_(lr=lr)
     torch.manual_seed(seed)
     module = make_model(setting.model, data.image_shape, data.num_classes)
-    optimizer = lambda params: torch.optim.SGD(  # noqa: E731 - each worker's SGD, stacked
-        params, lr=setting.lr, momentum=setting.momentum, weight_decay=setting.weight_decay)
+    optimizer = setting.protocol.optimizer_for(module, setting.lr)  # each worker's own, stacked
     engine = Engine(module, setting.workers, config.build(), optimizer, device=device)
     shares = None if setting.alpha is None else WorkerShares(data.train_y.cpu(), setting.workers, setting.alpha, seed)
     n_steps = steps_per_epoch(setting, len(data.train_y)) if shares is None else None
@@ -201,10 +201,12 @@ def train(setting: Setting, data, config: AlgorithmConfig, seed: int, lr: float 
 
     started = time.perf_counter()
     curves = train_epochs(StackedWorkers(engine, data, batches, batched_average=False), setting.epochs,
-                          setting.max_steps_per_epoch, lr_at=lambda epoch, step: setting.lr_at(epoch + step / per_epoch),
+                          setting.max_steps_per_epoch,
+                          lr_at=setting.protocol.schedule_for(setting.lr, setting.epochs, per_epoch, setting.workers),
                           time_steps=True, codec_refusal_diverges=True, after_epoch=read_error_norm)
     run.test_accuracy = curves.mean_worker_accuracy
     run.worst_worker_accuracy = curves.min_worker_accuracy
+    run.worst_worker_tail_accuracy = tail_accuracy(curves.worker_accuracy, setting.protocol.tail_fraction)
     run.averaged_accuracy = curves.averaged_accuracy
     run.train_loss = curves.train_loss
     run.epoch_seconds = curves.epoch_seconds

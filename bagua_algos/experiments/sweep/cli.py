@@ -32,6 +32,7 @@ import sys
 from bagua_algos.algorithms.table import ALGORITHM_TABLE
 from bagua_algos.experiments.common import ConfigError, config_spec, launch_self, parse_configs, without_flag
 from bagua_algos.experiments.data import DATASETS, DEFAULT_MODEL, MODELS
+from bagua_algos.experiments.protocol import PROTOCOLS, QUANTITIES, SCHEDULES
 from bagua_algos.experiments.sweep.report import COMMAND_ENV
 from bagua_algos.experiments.sweep.runlog import ResumeError, read_previous_runs
 from bagua_algos.experiments.sweep.schedule import idle_cpus
@@ -51,6 +52,52 @@ def positive_float_list(text: str) -> list[float]:
     if not values or any(not math.isfinite(v) or v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive finite numbers, got {text!r}")
     return values
+
+
+def milestone_list(text: str) -> tuple:
+    if not text.strip():
+        return ()
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated epochs, got {text!r}") from None
+    if any(not math.isfinite(v) or v <= 0 for v in values) or list(values) != sorted(values):
+        raise argparse.ArgumentTypeError(f"expected increasing positive epochs, got {text!r}")
+    return values
+
+
+# The protocol the sweep trains under unless --protocol says otherwise (docs/results.md,
+# "The sweep's protocol", measured both ways).
+DEFAULT_PROTOCOL = "heavy_ball"
+PROTOCOL_HELP = {
+    "heavy_ball": "SGD momentum 0.9 at a constant rate (no paper's)",
+    "relaysum": "the RelaySum paper's: Nesterov 0.9, warm-up 5 of 200 epochs, x0.1 at 150 and 180, the worst worker",
+    "relaysum_no_momentum": "the same without momentum",
+    "powersgd": "the PowerSGD paper's: its Nesterov form, warm-up from lr/workers, x0.1 at 150 and 250 of 300",
+    "diloco": "DiLoCo's inner AdamW, warm-up and cosine decay",
+}
+PROTOCOL_FLAGS = {  # flag -> the Protocol field it sets
+    "momentum": "momentum", "nesterov": "nesterov", "dampening": "dampening", "weight_decay": "weight_decay",
+    "decay_norm": "decay_norm", "schedule": "schedule", "warmup_epochs": "warmup_epochs",
+    "milestones": "milestones", "decay_factor": "decay_factor", "quantity": "quantity",
+}
+
+
+def resolve_protocol(args):
+    """The Protocol of this sweep: --protocol's at --epochs, then each flag given; a
+    ValueError names the knob that is out of range."""
+    from bagua_algos.experiments.protocol import protocol_named
+
+    protocol = protocol_named(args.protocol).at_epochs(args.epochs)
+    changes = {field: getattr(args, flag) for flag, field in PROTOCOL_FLAGS.items() if getattr(args, flag) is not None}
+    if "momentum" in changes and changes["momentum"] == 0 and "nesterov" not in changes:
+        changes["nesterov"] = False  # no momentum, no Nesterov
+    if "milestones" in changes and "schedule" not in changes:
+        changes["schedule"] = "step"
+    if changes:
+        name = f"{protocol.name} with {', '.join(f'{k}={v}' for k, v in changes.items())}"
+        protocol = protocol.with_(name=name, **changes)
+    return protocol
 
 
 def positive_int(text: str) -> int:
@@ -90,8 +137,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=0.05, help="learning rate when no --lr-grid is given (default 0.05)")
     p.add_argument("--lr-grid", type=positive_float_list, default=None,
                    help="comma-separated learning rates; each run keeps the best (e.g. 0.01,0.025,0.05,0.1)")
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, kept local (default 0.9)")
-    p.add_argument("--weight-decay", type=float, default=1e-4, help="SGD weight decay (default 1e-4)")
+    protocol = p.add_argument_group(
+        "protocol", "how every run is trained and what it reports first (bagua_algos/experiments/protocol.py): "
+        "--protocol names a paper's, whose warm-up and milestones scale with --epochs; the flags after it change "
+        "one knob each (warm-up and milestones then in this run's epochs)")
+    protocol.add_argument("--protocol", choices=list(PROTOCOLS), default=DEFAULT_PROTOCOL,
+                          help=f"default {DEFAULT_PROTOCOL}: " + "; ".join(
+                              f"{name}: {PROTOCOL_HELP[name]}" for name in PROTOCOLS))
+    protocol.add_argument("--momentum", type=float, default=None, help="SGD momentum, kept local (0: none)")
+    protocol.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=None,
+                          help="Nesterov momentum (torch's form)")
+    protocol.add_argument("--dampening", type=float, default=None, help="SGD momentum's dampening")
+    protocol.add_argument("--weight-decay", type=float, default=None, help="weight decay")
+    protocol.add_argument("--decay-norm", action=argparse.BooleanOptionalAction, default=None,
+                          help="weight decay on normalisation layers' parameters too")
+    protocol.add_argument("--schedule", choices=SCHEDULES, default=None, help="constant, step or cosine")
+    protocol.add_argument("--warmup-epochs", type=float, default=None, help="linear warm-up from 0, in epochs")
+    protocol.add_argument("--milestones", type=milestone_list, default=None,
+                          help="step schedule: comma-separated epochs where the rate is multiplied by --decay-factor")
+    protocol.add_argument("--decay-factor", type=float, default=None, help="the step schedule's factor")
+    protocol.add_argument("--quantity", choices=list(QUANTITIES), default=None,
+                          help="what is reported first and tuned on: workers_mean (the workers' own models, mean), "
+                               "worst_worker_tail (the RelaySum paper's worst worker) or averaged_model")
     p.add_argument("--max-steps-per-epoch", type=positive_int, default=None, help="cut epochs short (for smoke tests)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the workers train: cpu (default) or cuda: with --engine sim all workers on one GPU; "
@@ -123,7 +190,15 @@ def parse_args(argv=None, in_worker: bool = False) -> argparse.Namespace:
         args.model = args.model or DEFAULT_MODEL[args.dataset]
         args.parsed_configs = parse_configs(args.configs)
         args.engine = "processes"
+        args.protocol = resolve_protocol(args)
         return args
+    try:
+        args.protocol = resolve_protocol(args)
+    except ValueError as err:  # "Protocol momentum=1.5: expected ..." -> the flag's name
+        text = str(err)
+        knob = text.split()[1].split("=")[0] if text.startswith("Protocol ") else "protocol"
+        flag = next((f for f, field in PROTOCOL_FLAGS.items() if field == knob), "protocol")
+        parser.error(f"argument --{flag.replace('_', '-')}: {text}")
     if args.lr <= 0 or not math.isfinite(args.lr):
         parser.error(f"argument --lr: expected a positive number, got {args.lr}")
     from bagua_algos.experiments.data import check_data_dir, check_model
@@ -239,6 +314,7 @@ def main(argv=None) -> None:
     reason = getattr(args, "engine_reason", "as asked")
     jobs = f", {args.jobs} runs at a time" if args.jobs > 1 else ""
     print(f"heterogeneity_sweep: {args.workers} workers on the {args.engine} engine ({reason}){jobs}", file=sys.stderr)
+    print(f"heterogeneity_sweep: {args.protocol.describe()}", file=sys.stderr)
     if args.engine == "sim":
         from bagua_algos.experiments.sweep.runs import run_sim
 

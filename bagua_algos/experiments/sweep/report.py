@@ -53,18 +53,25 @@ def write_report(args, runs, failed, started) -> None:
 
 
 HEADLINE = "final_mean_worker_accuracy"
-"""The quantity the sweep reports first and tunes the learning rate on: the workers' own
-models' test accuracy, averaged over the workers, as the decentralized papers report it
-(each worker evaluates its own parameters; epfml/relaysgd's train.py). The averaged
-model (1/n) Σ x_i, which no worker holds, is reported beside it, named as such."""
+"""The quantity the sweep reports first and tunes the learning rate on when the protocol
+names no other: the workers' own models' test accuracy, averaged over the workers (each
+worker evaluates its own parameters). The protocol's ``quantity`` chooses another: the
+RelaySum paper's worst worker (``final_worst_worker_tail_accuracy``). The averaged model
+(1/n) Σ x_i, which no worker holds, is reported beside them, named as such."""
 
 
-def best_runs(runs: list[dict]) -> list[dict]:
-    """Per (config, α), the run with the best final workers' mean accuracy (HEADLINE)."""
+def headline_of(args) -> str:
+    """The run record's field the sweep tunes on and reports first: its protocol's quantity."""
+    protocol = getattr(args, "protocol", None)
+    return HEADLINE if protocol is None or isinstance(protocol, str) else protocol.quantity_field
+
+
+def best_runs(runs: list[dict], headline: str = HEADLINE) -> list[dict]:
+    """Per (config, α), the run with the best final ``headline`` (a field of the run's record)."""
     best: dict = {}
     for run in runs:
         key = (run["config"], run["alpha"])
-        if key not in best or run[HEADLINE] > best[key][HEADLINE]:
+        if key not in best or run[headline] > best[key][headline]:
             best[key] = run
     return list(best.values())
 
@@ -74,14 +81,18 @@ def make_report(args, runs, world_size: int, seconds: float) -> dict:
 
     command = os.environ.get(COMMAND_ENV) or " ".join([Path(sys.executable).name, *sys.argv])
     settings = {k: v for k, v in vars(args).items() if k not in ("parsed_configs", "loaded_data", "jobs_chosen")}
+    if hasattr(args.protocol, "to_dict"):
+        settings["protocol"] = args.protocol.to_dict()
     return {
         "command": command,
+        "protocol": args.protocol.describe() if hasattr(args.protocol, "describe") else str(args.protocol),
+        "headline": headline_of(args),
         "settings": settings,
         "world_size": world_size,
         "engine": args.engine,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "seconds": seconds,
-        "results": best_runs(runs),
+        "results": best_runs(runs, headline_of(args)),
         "all_runs": runs,
     }
 
@@ -92,15 +103,24 @@ TABLE_COLUMNS = [
     ("lr", "lr", "{:g}"),
     ("workers' acc (mean)", "final_mean_worker_accuracy", "{:.4f}"),
     ("worst worker acc", "final_min_worker_accuracy", "{:.4f}"),
+    ("worst worker, tail mean", "final_worst_worker_tail_accuracy", "{:.4f}"),
     ("averaged model acc", "final_averaged_model_accuracy", "{:.4f}"),
 ]
 
 
-def format_table(rows: list[dict]) -> str:
-    cells = [[fmt.format(row[key]) for _, key, fmt in TABLE_COLUMNS] for row in rows]
-    widths = [max(len(title), *(len(c[i]) for c in cells)) for i, (title, _, _) in enumerate(TABLE_COLUMNS)]
+def table_columns(headline: str = HEADLINE) -> list:
+    """TABLE_COLUMNS with the ``headline`` quantity's column first after the lr (marked *)."""
+    first, rest = TABLE_COLUMNS[:3], TABLE_COLUMNS[3:]
+    lead = [(f"* {title}", key, fmt) for title, key, fmt in rest if key == headline]
+    return first + lead + [column for column in rest if column[1] != headline]
+
+
+def format_table(rows: list[dict], headline: str = HEADLINE) -> str:
+    columns = table_columns(headline)
+    cells = [[fmt.format(row[key]) for _, key, fmt in columns] for row in rows]
+    widths = [max(len(title), *(len(c[i]) for c in cells)) for i, (title, _, _) in enumerate(columns)]
     line = lambda values: "  ".join(v.ljust(w) for v, w in zip(values, widths))  # noqa: E731
-    return "\n".join([line([t for t, _, _ in TABLE_COLUMNS]), line(["-" * w for w in widths])] + [line(c) for c in cells])
+    return "\n".join([line([t for t, _, _ in columns]), line(["-" * w for w in widths])] + [line(c) for c in cells])
 
 
 def write_outputs(args, report: dict) -> None:
@@ -111,13 +131,16 @@ def write_outputs(args, report: dict) -> None:
         json.dump(report, f, indent=1)
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow([key for _, key, _ in TABLE_COLUMNS] + ["config", "seconds"])
+        columns = table_columns(report["headline"])
+        writer.writerow([key for _, key, _ in columns] + ["config", "seconds", "protocol"])
         for row in rows:
-            writer.writerow([row[key] for _, key, _ in TABLE_COLUMNS] + [row["config"], f"{row['seconds']:.1f}"])
+            writer.writerow([row.get(key, "") for _, key, _ in columns] + [row["config"], f"{row['seconds']:.1f}",
+                                                                           report["protocol"]])
     plot_accuracy(rows, out / "accuracy_vs_epoch.png", report)
     plot_histograms(rows, out / "class_histograms.png")
     print(f"\n{report['command']}\n{report['world_size']} workers ({report['engine']} engine), {args.dataset}, "
-          f"{args.model}, {args.epochs} epochs, {report['seconds']:.0f} s\n")
-    print(format_table(rows))
+          f"{args.model}, {args.epochs} epochs, {report['seconds']:.0f} s\n{report['protocol']}\n"
+          f"(* the protocol's quantity: each (algorithm, alpha)'s lr chosen on it)\n")
+    print(format_table(rows, report["headline"]))
     print(f"\nwritten: {out / 'results.csv'}, {out / 'results.json'}, {out / 'accuracy_vs_epoch.png'}, "
           f"{out / 'class_histograms.png'}")

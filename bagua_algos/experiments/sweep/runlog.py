@@ -28,7 +28,7 @@ from pathlib import Path
 __all__ = ["RUNS_FILE", "RESULT_SETTINGS", "ResumeError", "RunLog", "run_key", "read_previous_runs"]
 
 RUNS_FILE = "runs.jsonl"
-RESULT_SETTINGS = ("dataset", "data_dir", "model", "workers", "epochs", "batch_size", "momentum", "weight_decay",
+RESULT_SETTINGS = ("dataset", "data_dir", "model", "workers", "epochs", "batch_size", "protocol",
                    "max_steps_per_epoch", "seed")
 """What a run's result depends on besides its (configuration, α, learning rate)."""
 
@@ -39,6 +39,8 @@ class ResumeError(ValueError):
 
 def settings_of(args) -> dict:
     values = {name: getattr(args, name) for name in RESULT_SETTINGS}
+    if hasattr(values["protocol"], "to_dict"):  # every knob of the protocol, JSON-ready
+        values["protocol"] = values["protocol"].to_dict()
     if values["data_dir"] is not None:
         values["data_dir"] = str(Path(values["data_dir"]).expanduser().resolve())
     return values

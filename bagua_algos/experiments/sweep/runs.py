@@ -2,7 +2,7 @@
 run of the sweep in turn (``--resume``'s log, ``--jobs`` at a time, the report).
 
 Both engines train through :func:`bagua_algos.experiments.training.train_epochs` with the
-same data, model, optimizer and schedule, and report the same fields (:func:`run_result`)
+same data, model, and the optimizer and schedule of the sweep's protocol (``args.protocol``), and report the same fields (:func:`run_result`)
 from each worker's and the averaged model's test accuracy: ``--engine sim`` all
 ``--workers`` stacked in this process (:func:`train_stacked`, bagua_algos.engine),
 ``--engine processes`` one worker per process of a launched job (:func:`train_one`).
@@ -10,6 +10,7 @@ from each worker's and the averaged model's test accuracy: ``--engine sim`` all
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 
@@ -19,6 +20,7 @@ import torch
 from bagua_algos.engine import Engine, refusal
 from bagua_algos.engine.data import WorkerShares
 from bagua_algos.experiments.data import build_model, load_data
+from bagua_algos.experiments.protocol import tail_accuracy
 from bagua_algos.experiments.sweep.report import config_label, write_report
 from bagua_algos.experiments.sweep.runlog import RunLog, read_previous_runs, run_key
 from bagua_algos.experiments.sweep.schedule import run_jobs
@@ -34,14 +36,17 @@ class Diverged(RuntimeError):
 
 
 def run_result(workers, curve_min, curve_avg, curve_loss, started: float, class_histogram,
-               curve_mean=None) -> dict:
+               curve_mean=None, worst_worker_tail=None) -> dict:
     """The fields of one run of the sweep, the same from both engines: the last epoch's
     accuracy of every worker, the curves per epoch (the workers' own models: their mean
-    and the worst; the averaged model (1/n) Σ x_i beside them), the seconds since
-    ``started`` (``time.perf_counter()``) and the per-worker class counts."""
+    and the worst; the averaged model (1/n) Σ x_i beside them), the RelaySum paper's worst
+    worker over the protocol's tail of epochs (:func:`~bagua_algos.experiments.protocol.tail_accuracy`;
+    the last epoch's worst worker when not given), the seconds since ``started``
+    (``time.perf_counter()``) and the per-worker class counts."""
     return {
         "final_mean_worker_accuracy": sum(workers) / len(workers),
         "final_min_worker_accuracy": curve_min[-1],
+        "final_worst_worker_tail_accuracy": curve_min[-1] if worst_worker_tail is None else worst_worker_tail,
         "final_averaged_model_accuracy": curve_avg[-1],
         "worker_accuracies": workers,
         "curve_mean_worker_accuracy": curve_mean if curve_mean is not None else [],
@@ -53,7 +58,7 @@ def run_result(workers, curve_min, curve_avg, curve_loss, started: float, class_
     }
 
 
-def _result(curves, workers: int, started: float, class_histogram) -> dict:
+def _result(curves, workers: int, started: float, class_histogram, protocol) -> dict:
     """``run_result`` of ``train_epochs``' curves, or :class:`Diverged` naming the first
     worker whose epoch loss is not finite."""
     diverged = curves.diverged
@@ -63,7 +68,14 @@ def _result(curves, workers: int, started: float, class_histogram) -> dict:
                        f"{diverged.epoch} ({len(bad)} of {workers} workers not finite)")
     last = curves.worker_accuracy[-1] if curves.worker_accuracy else []
     return run_result(last, curves.min_worker_accuracy, curves.averaged_accuracy, curves.train_loss, started,
-                      class_histogram, curves.mean_worker_accuracy)
+                      class_histogram, curves.mean_worker_accuracy,
+                      tail_accuracy(curves.worker_accuracy, protocol.tail_fraction))
+
+
+def steps_per_epoch(samples: int, batch_size: int, max_steps: int | None) -> int:
+    """A worker's steps in an epoch of ``samples`` (the last batch may be short)."""
+    steps = max(1, math.ceil(samples / batch_size))
+    return min(steps, max_steps) if max_steps else steps
 
 
 def stacked_config_error(config) -> str | None:
@@ -82,16 +94,17 @@ def train_stacked(args, data, config, alpha: float, lr: float, make_model) -> di
         optimizer = None
     else:
         algorithm = config.build_algorithm()
-        optimizer = lambda params: torch.optim.SGD(  # noqa: E731
-            params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
+        optimizer = args.protocol.optimizer_for(module, lr)
     engine = Engine(module, args.workers, algorithm, optimizer, device=data.train_x.device,
                     bucket_size=config.wrap_kwargs.get("bucket_size", DEFAULT_BUCKET_SIZE))
     shares = WorkerShares(data.train_y.cpu(), args.workers, alpha, args.seed)
     workers = StackedWorkers(engine, data, lambda epoch: shares.batches(epoch, args.batch_size,
                                                                         device=data.train_x.device))
+    lr_at = args.protocol.schedule_for(lr, args.epochs, steps_per_epoch(len(shares), args.batch_size,
+                                                                         args.max_steps_per_epoch), args.workers)
     started = time.perf_counter()
-    curves = train_epochs(workers, args.epochs, args.max_steps_per_epoch)
-    return _result(curves, args.workers, started, shares.class_histogram())
+    curves = train_epochs(workers, args.epochs, args.max_steps_per_epoch, lr_at=lr_at)
+    return _result(curves, args.workers, started, shares.class_histogram(), args.protocol)
 
 
 def accuracy(model, x, y, batch: int = 1000) -> float:
@@ -134,18 +147,20 @@ def train_one(args, data, config, alpha: float, lr: float, evaluator) -> dict:
     rank, world = comm.get_rank(), comm.get_world_size()
     torch.manual_seed(args.seed)
     model = build_model(data, args.model).to(data.train_x.device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    optimizer = args.protocol.optimizer_for(model, lr)(model.parameters())
     model.with_bagua([optimizer], config.build_algorithm(), **config.wrap_kwargs)
     sampler = DistributedHeterogeneousSampler(
         TensorDataset(data.train_x, data.train_y), num_replicas=world, rank=rank,
         alpha=alpha, seed=args.seed, labels=data.train_y.cpu(),
     )
     loader = DataLoader(TensorDataset(data.train_x, data.train_y), batch_size=args.batch_size, sampler=sampler)
+    lr_at = args.protocol.schedule_for(lr, args.epochs, steps_per_epoch(len(sampler), args.batch_size,
+                                                                         args.max_steps_per_epoch), world)
     started = time.perf_counter()
     curves = train_epochs(ProcessWorker(model, optimizer, loader, sampler, evaluator), args.epochs,
-                          args.max_steps_per_epoch)
+                          args.max_steps_per_epoch, lr_at=lr_at)
     model.bagua_ddp.detach()  # also on a NaN: every rank stops together (the losses are allgathered)
-    return _result(curves, world, started, sampler.class_histogram())
+    return _result(curves, world, started, sampler.class_histogram(), args.protocol)
 
 
 def run_worker(args) -> None:

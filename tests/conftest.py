@@ -8,6 +8,10 @@
   port free right now on 127.0.0.1) and ``child_env`` (the environment for a child
   process: no launcher variables, one thread, this checkout first on PYTHONPATH; see
   :func:`subprocesses.child_env`).
+* Every test leaves ``os.environ`` as it found it (an autouse fixture puts back what the
+  test, or the code it ran, added, changed or removed: :func:`subprocesses.restore_environ`),
+  so that no variable set by one test, such as the RANK that ``init_process_group``
+  writes, reaches the next test in the same pytest process.
 * Order: the longest files first (:data:`LONGEST_FIRST`), so that under
   ``-n auto --dist loadfile`` no worker is left with one of them at the end.
 """
@@ -39,6 +43,15 @@ for _directory in (TESTS, REPO):  # REPO ends up first
         sys.path.insert(0, str(_directory))
 
 import subprocesses  # noqa: E402  (needs the path above)
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """``os.environ`` after the test exactly as before it (see the module's docstring)."""
+    environ = os.environ  # the real one, even if the test puts a dict in its place
+    saved = dict(environ)
+    yield
+    subprocesses.restore_environ(saved, environ)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,7 @@
 """Child processes for tests: a clean environment, a free port, and a hard timeout that
-kills the child's whole process session (a launcher and its workers) and fails the test."""
+kills the child's whole process session (a launcher and its workers) and fails the test;
+and :func:`restore_environ`, with which conftest.py gives every test back the environment
+of this process as the test found it."""
 
 from __future__ import annotations
 
@@ -70,6 +72,21 @@ def child_env(extra_path=()) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO), *map(str, extra_path)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
+
+
+def restore_environ(saved: dict, environ=None) -> list[str]:
+    """Make ``environ`` (``os.environ``) hold exactly ``saved`` again: the variables added
+    since are removed, the changed or removed ones set back; an unchanged one is not
+    written. Returns the names of those it removed or set, sorted."""
+    environ = os.environ if environ is None else environ
+    touched = sorted(set(environ) - set(saved))
+    for name in touched:
+        del environ[name]
+    for name, value in saved.items():
+        if environ.get(name) != value:
+            environ[name] = value
+            touched.append(name)
+    return sorted(touched)
 
 
 def start_python(args, env=None) -> subprocess.Popen:

@@ -344,10 +344,18 @@ def test_hierarchical_allreduce_is_asynchronous_and_right(four_workers):
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+def _without(monkeypatch, keys=ENV_KEYS) -> None:
+    """``keys`` unset for this test, and unset again after it: ``monkeypatch.delenv`` of
+    an unset variable records nothing, so the RANK, WORLD_SIZE, ... that a successful
+    ``init_process_group`` writes would outlive the test; set first, it is removed."""
+    for key in keys:
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+
+
 def test_environment_getters_work_before_init_with_baguas_defaults(monkeypatch):
     assert not comm.is_initialized()
-    for key in ENV_KEYS:
-        monkeypatch.delenv(key, raising=False)
+    _without(monkeypatch)
     assert (comm.get_rank(), comm.get_world_size(), comm.get_local_rank(), comm.get_local_size(),
             comm.get_node_rank()) == (0, 1, 0, 1, 0)
     monkeypatch.setenv("RANK", "5")
@@ -366,8 +374,7 @@ def test_environment_getters_work_before_init_with_baguas_defaults(monkeypatch):
 
 
 def test_init_process_group_takes_baguas_signature(monkeypatch, tmp_path):
-    for key in ENV_KEYS:
-        monkeypatch.delenv(key, raising=False)
+    _without(monkeypatch)
     store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
     with pytest.raises(ValueError, match="also needs rank= and world_size="):
         comm.init_process_group(store)
@@ -561,8 +568,7 @@ def test_backend_choice_names_the_gpu_count_before_any_cuda_call(monkeypatch, tm
         "backend='auto' puts each worker on its own GPU (device cuda:LOCAL_RANK), but this node runs 8 workers and "
         "has 1 visible GPU; start at most 1 per node (--nproc_per_node 1), or run on the CPU: "
         "init_process_group(backend='gloo'), BAGUA_ALGOS_BACKEND=gloo, or the launcher's --backend gloo")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(key, raising=False)
+    _without(monkeypatch, ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
     store = torch.distributed.FileStore(str(tmp_path / "store"), 2)
     with pytest.raises(RuntimeError, match=r"runs 2 workers and has 1 visible GPU;"):
         comm.init_process_group(store, 0, 2, 2)

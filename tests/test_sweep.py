@@ -217,3 +217,64 @@ def test_async_runs_as_processes_and_stops_its_rounds_before_the_next_run(tmp_pa
     assert "did not stop cleanly" not in result.stderr and "Traceback" not in result.stderr
     report = json.loads((tmp_path / "results.json").read_text())
     assert [r["algorithm"] for r in report["all_runs"]] == ["async", "allreduce_average"]
+
+
+# A cluster's variables, as Kubernetes or SLURM set them for every process of a job.
+CLUSTER = {"RANK": "7", "WORLD_SIZE": "9", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "5", "NODE_RANK": "2"}
+
+
+def test_a_sweep_started_with_a_clusters_rank_runs_as_the_parent(tmp_path, monkeypatch, capsys):
+    """The sweep knows its own workers by launch_self's marker, not by RANK: started
+    where RANK is set (and no MASTER_PORT), it is the parent and trains, where it took
+    itself for a worker and stopped on MASTER_PORT (or WORLD_SIZE) not being set."""
+    from bagua_algos.experiments.common import LAUNCHED_WORKER_ENV
+    from bagua_algos.experiments.sweep import cli
+
+    for name, value in {**CLUSTER, "RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("MASTER_ADDR", "MASTER_PORT", LAUNCHED_WORKER_ENV):
+        monkeypatch.delenv(name, raising=False)
+    cli.main(["--workers", "2", "--engine", "sim", "--jobs", "1", "--epochs", "1", "--max-steps-per-epoch", "2",
+              "--alphas", "1", "--configs", "allreduce_average", "--no-progress", "--out-dir", str(tmp_path)])
+    assert "heterogeneity_sweep: 2 workers on the sim engine" in capsys.readouterr().err
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert report["world_size"] == 2 and [row["label"] for row in report["results"]] == ["allreduce_average"]
+
+
+def test_only_launch_self_marks_a_worker_of_its_module(monkeypatch):
+    from bagua_algos.experiments import common, qadam_variants
+    from bagua_algos.experiments.sweep import cli
+
+    monkeypatch.delenv(common.LAUNCHED_WORKER_ENV, raising=False)
+    for name, value in CLUSTER.items():
+        monkeypatch.setenv(name, value)
+    assert not common.launched_worker(cli.MODULE)
+    monkeypatch.setenv(common.LAUNCHED_WORKER_ENV, qadam_variants.MODULE)  # a worker of another experiment
+    assert common.launched_worker(qadam_variants.MODULE) and not common.launched_worker(cli.MODULE)
+    monkeypatch.setenv(common.LAUNCHED_WORKER_ENV, cli.MODULE)
+    assert common.launched_worker(cli.MODULE)
+
+
+def test_launch_self_gives_its_workers_the_launchers_ranks_and_leaves_this_process_as_it_was(tmp_path, monkeypatch):
+    """A parent run with a cluster's RANK, WORLD_SIZE, ... in its environment: its workers
+    see the launcher's values over those, and the marker; once they are done the parent's
+    environment is what it was (the launcher's own variables do not stay behind)."""
+    import os
+
+    from bagua_algos.experiments import common
+
+    for name, value in {**CLUSTER, "MASTER_ADDR": "10.9.9.9", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(common.LAUNCHED_WORKER_ENV, raising=False)
+    monkeypatch.delenv("ECHO_COMMAND", raising=False)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO / "tests" / "launch_workers"),
+                                                                   os.environ.get("PYTHONPATH")])))
+    before = dict(os.environ)
+    out = tmp_path / "echo.json"
+    common.launch_self("echo_module", 1, [str(out)], "ECHO_COMMAND")
+    assert dict(os.environ) == before
+    worker = json.loads(out.read_text())["environ"]
+    assert worker[common.LAUNCHED_WORKER_ENV] == "echo_module" and "ECHO_COMMAND" in worker
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR")
+    assert {name: worker[name] for name in launcher} == dict(zip(launcher, ("0", "1", "0", "1", "0", "127.0.0.1")))
+    assert worker["MASTER_PORT"] != "1"

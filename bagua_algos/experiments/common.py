@@ -301,19 +301,46 @@ def init_for_device(device: str):
     return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
 
 
+# Set by launch_self in the environment of the workers it starts, and only there, to the
+# module they run: how an experiment tells its own workers from its parent. Not RANK: a
+# cluster (Kubernetes, SLURM, an outer torchrun) sets RANK for every process, the
+# parent included.
+LAUNCHED_WORKER_ENV = "BAGUA_ALGOS_LAUNCHED_WORKER"
+
+
+def launched_worker(module: str) -> bool:
+    """True in a worker that ``launch_self(module, ...)`` started; False in the parent,
+    whatever RANK, WORLD_SIZE, ... its environment holds."""
+    return os.environ.get(LAUNCHED_WORKER_ENV) == module
+
+
 def launch_self(module: str, nproc: int, argv: list[str], command_env: str) -> None:
     """Run ``python -m module`` with ``argv`` in ``nproc`` local workers through the
     plugin's launcher (torchrun underneath); it exits non-zero if a worker fails. The
-    user's command line is kept in ``command_env`` for the workers to report. A module,
-    not a file: the workers import it from the installed package, wherever it lives."""
+    user's command line is kept in ``command_env`` for the workers to report, and
+    :data:`LAUNCHED_WORKER_ENV` names ``module`` (:func:`launched_worker`). The workers
+    get this process's environment with the launcher's RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR and MASTER_PORT over any it had; this
+    process's own environment is as before once the launcher returns (or exits). A
+    module, not a file: the workers import it from the installed package, wherever it
+    lives."""
     from bagua_algos.runtime import launch
 
-    os.environ[command_env] = shlex.join([Path(sys.executable).name, *sys.argv])
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    launch.main([
-        "--nproc_per_node", str(nproc),
-        "--master_addr", "127.0.0.1",
-        "--master_port", str(free_port()),
-        "-m", module,
-        *argv,
-    ])
+    before = dict(os.environ)
+    try:
+        os.environ[command_env] = shlex.join([Path(sys.executable).name, *sys.argv])
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ[LAUNCHED_WORKER_ENV] = module
+        launch.main([
+            "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1",
+            "--master_port", str(free_port()),
+            "-m", module,
+            *argv,
+        ])
+    finally:  # the launcher sets the workers' variables (set_worker_environment) in this process
+        for name in set(os.environ) - set(before):
+            del os.environ[name]
+        for name, value in before.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value

@@ -12,14 +12,14 @@ and the training accuracy of the final model (docs/benchmarks.md has the figures
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 
-from bagua_algos.experiments.common import init_for_device, launch_self, without_flag
+from bagua_algos.experiments.common import init_for_device, launch_self, launched_worker, without_flag
 
 SETTINGS = ((8, 0.01), (20, 0.01), (100, 0.001))  # (warmup_steps, lr)
+MODULE = "bagua_algos.experiments.qadam_variants"  # what each worker runs (launch_self)
 
 
 def train(variant: str, warmup: int, lr: float, steps: int, x, y) -> tuple[float, float, float]:
@@ -55,8 +55,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.workers < 1 or args.steps < 10:
         parser.error("--workers must be >= 1 and --steps >= 10")
-    if "RANK" not in os.environ:
-        launch_self("bagua_algos.experiments.qadam_variants", args.workers, without_flag(argv, "--workers"), "QADAM_VARIANTS_COMMAND")
+    if not launched_worker(MODULE):  # the parent, whatever RANK its environment holds
+        launch_self(MODULE, args.workers, without_flag(argv, "--workers"), "QADAM_VARIANTS_COMMAND")
         return
     import torch
     from sklearn.datasets import load_digits

@@ -1,7 +1,7 @@
 """Worker for tests/test_launch.py, run with ``-m echo_module OUT_FILE ARGS...``
 (the directory of this file is put on PYTHONPATH by the test).
 
-Prints a marker line and writes its argv and rank variables as JSON.
+Prints a marker line and writes its argv, rank variables and whole environment as JSON.
 """
 
 import json
@@ -20,6 +20,7 @@ def main():
         "RANK": os.environ.get("RANK"),
         "WORLD_SIZE": os.environ.get("WORLD_SIZE"),
         "NODE_RANK": os.environ.get("NODE_RANK"),
+        "environ": dict(os.environ),
     }
     with open(out_file, "w") as f:
         json.dump(record, f)

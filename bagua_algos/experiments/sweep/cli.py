@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 
 from bagua_algos.algorithms.table import ALGORITHM_TABLE
-from bagua_algos.experiments.common import ConfigError, config_spec, launch_self, parse_configs, without_flag
+from bagua_algos.experiments.common import (ConfigError, config_spec, launch_self, launched_worker, parse_configs,
+                                            without_flag)
 from bagua_algos.experiments.data import DATASETS, DEFAULT_MODEL, MODELS
 from bagua_algos.experiments.protocol import PROTOCOLS, QUANTITIES, SCHEDULES
 from bagua_algos.experiments.sweep.report import COMMAND_ENV
@@ -40,6 +40,7 @@ from bagua_algos.experiments.sweep.schedule import idle_cpus
 __all__ = ["ENGINES", "DEFAULT_CONFIGS", "build_parser", "parse_args", "main"]
 
 ENGINES = ("auto", "sim", "processes")
+MODULE = "bagua_algos.experiments.sweep.cli"  # what --engine processes runs in each worker (launch_self)
 # The table's rows marked in_sweep, in its order (bagua_algos/algorithms/table.py says why each).
 DEFAULT_CONFIGS = ";".join(config_spec(config) for config in ALGORITHM_TABLE if config.in_sweep)
 
@@ -305,7 +306,7 @@ def check_memory(parser, args) -> None:
 
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "RANK" in os.environ:  # a worker, started by the launcher
+    if launched_worker(MODULE):  # one of the workers of --engine processes, started below
         from bagua_algos.experiments.sweep.runs import run_worker
 
         run_worker(parse_args(argv, in_worker=True))
@@ -320,7 +321,7 @@ def main(argv=None) -> None:
 
         run_sim(args)
     else:
-        launch_self("bagua_algos.experiments.sweep.cli", args.workers, without_flag(argv, "--workers"), COMMAND_ENV)
+        launch_self(MODULE, args.workers, without_flag(argv, "--workers"), COMMAND_ENV)
 
 
 if __name__ == "__main__":

@@ -68,19 +68,22 @@ def test_bad_arguments_fail_fast_with_a_clear_message(args, message):
 
 
 def test_both_engines_give_the_same_table(tmp_path):
-    """The sweep on the stacked engine and as processes: the same accuracies per worker."""
+    """The sweep on the stacked engine and as processes, under a paper's protocol (Nesterov,
+    warm-up, step decay, no weight decay on norm layers): the same accuracies per worker."""
     reports = {}
     for engine in ("sim", "processes"):
         result = run_sweep(
             "--workers", "4", "--engine", engine, "--configs", "decentralized:hierarchical=false,topology=ring",
             "--alphas", "0.1", "--epochs", "2", "--max-steps-per-epoch", "5", "--out-dir", str(tmp_path / engine),
-            "--no-progress",
+            "--no-progress", "--protocol", "relaysum",
         )
         assert result.returncode == 0, result.stderr[-3000:]
         assert f"4 workers on the {engine} engine" in result.stderr
         reports[engine] = json.loads((tmp_path / engine / "results.json").read_text())
     sim, processes = (reports[e]["results"][0] for e in ("sim", "processes"))
     assert reports["sim"]["engine"] == "sim" and reports["processes"]["engine"] == "processes"
+    assert reports["sim"]["settings"]["protocol"] == reports["processes"]["settings"]["protocol"]
+    assert reports["sim"]["settings"]["protocol"]["nesterov"] is True
     # float32 sums in another order may flip at most a prediction or two of the 360 test images
     for a, b in zip(sim["worker_accuracies"], processes["worker_accuracies"]):
         assert abs(a - b) <= 2 / 360

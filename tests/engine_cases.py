@@ -2,10 +2,11 @@
 one-process engine (their stacked forms). tests/test_engine_equality.py compares them.
 
 Both forms start from the same model (seeded), read the same batches (rank i's
-DistributedHeterogeneousSampler share, α = 0.1) and take STEPS steps of SGD with
-momentum and weight decay (qadam: of its QAdamOptimizer, QADAM_OPTIMIZER and a case's
-"optimizer" settings, warm-up then compression within the STEPS); each returns every
-worker's parameters as one vector in registration order."""
+DistributedHeterogeneousSampler share, α = 0.1 unless a test passes its own) and take
+STEPS steps of SGD with momentum and weight decay (a case's "optimizer" settings
+override SGD's, e.g. {"nesterov": True}; qadam: of its QAdamOptimizer, QADAM_OPTIMIZER
+and a case's "optimizer" settings, warm-up then compression within the STEPS); each
+returns every worker's parameters as one vector in registration order."""
 
 from __future__ import annotations
 
@@ -38,17 +39,19 @@ def model():
                                torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
-def optimizer(params):
-    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+def optimizer(params, **settings):
+    """SGD with momentum and weight decay; ``settings`` override torch.optim.SGD's (e.g. nesterov=True)."""
+    return torch.optim.SGD(params, **{"lr": LR, "momentum": MOMENTUM, "weight_decay": WEIGHT_DECAY, **settings})
 
 
 def build_optimizer(name, kwargs, params):
-    """The optimizer of a case: SGD, or for qadam its QAdamOptimizer."""
+    """The optimizer of a case: SGD (a case's "optimizer" settings override its own),
+    or for qadam its QAdamOptimizer."""
     if name == "qadam":
         from bagua_algos.algorithms import QAdamOptimizer
 
         return QAdamOptimizer(params, **{**QADAM_OPTIMIZER, **kwargs.get("optimizer", {})})
-    return optimizer(params)
+    return optimizer(params, **kwargs.get("optimizer", {}))
 
 
 def build_algorithm(name, kwargs, optimizer_=None):
@@ -69,8 +72,9 @@ def _epochs():
         yield epoch
 
 
-def per_rank(rank, world, cases):
-    """In a gloo worker: {label: this rank's parameters after STEPS steps} per case."""
+def per_rank(rank, world, cases, alpha=ALPHA):
+    """In a gloo worker: {label: this rank's parameters after STEPS steps} per case
+    (``alpha``: the shares' Dirichlet concentration)."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from samplers import DistributedHeterogeneousSampler
@@ -81,7 +85,7 @@ def per_rank(rank, world, cases):
         net = model()
         opt = build_optimizer(name, kwargs, net.parameters())
         net = net.with_bagua([opt], build_algorithm(name, kwargs, opt))
-        sampler = DistributedHeterogeneousSampler(TensorDataset(x, y), num_replicas=world, rank=rank, alpha=ALPHA,
+        sampler = DistributedHeterogeneousSampler(TensorDataset(x, y), num_replicas=world, rank=rank, alpha=alpha,
                                                   seed=SEED, labels=y)
         loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, sampler=sampler)
         step = 0
@@ -110,18 +114,19 @@ def _before_step(name, kwargs, net, opt) -> None:
         net.bagua_ddp.bagua_algorithm.wait_async_error()
 
 
-def stacked(world, name, kwargs):
-    """On the engine: [world, d] parameters (registration order) after STEPS steps."""
+def stacked(world, name, kwargs, alpha=ALPHA, dtype=torch.float32):
+    """On the engine: [world, d] parameters (registration order) after STEPS steps
+    (``dtype``: of the model and the inputs, float64 for a comparison with an oracle)."""
     from bagua_algos.engine import Engine
     from bagua_algos.engine.data import WorkerShares
 
     x, y = data()
-    net = model()
+    x, net = x.to(dtype), model().to(dtype)
     if name == "qadam":  # QAdam's optimizer is the algorithm's: the engine stacks its settings
         engine = Engine(net, world, build_algorithm(name, kwargs, build_optimizer(name, kwargs, net.parameters())), None)
     else:
-        engine = Engine(net, world, build_algorithm(name, kwargs), optimizer)
-    shares = WorkerShares(y, world, ALPHA, SEED)
+        engine = Engine(net, world, build_algorithm(name, kwargs), lambda params: build_optimizer(name, kwargs, params))
+    shares = WorkerShares(y, world, alpha, SEED)
     step = 0
     for epoch in _epochs():
         for index in shares.batches(epoch, BATCH):

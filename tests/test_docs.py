@@ -77,6 +77,8 @@ OUTSIDE = {
     "bagua/torch_api/": "Bagua 0.9.2's own package, which docs/bagua_api.md goes through",
     "examples/elastic_training/main.py": "Bagua's elastic example (BaguaSys/bagua), retold in "
                                          "tests/launch_workers/bagua_elastic_mnist.py",
+    "tasks/cifar.py": "epfml/relaysgd's task, whose weight decay the protocol 'relaysum' follows",
+    "paper-code/train.py": "epfml/powersgd's training script, which the protocol 'powersgd' follows",
 }
 
 

@@ -963,7 +963,8 @@ def seed002_figure(ctx, labels, title):
             mean, low, high = rt.spread([r["final_mean_worker_accuracy"] for r in best])
             seed_acc, seed_lr = thesis_best(label, alpha)
             lrs = sorted({r["lr"] for r in best})
-            rows.append({"row": label, "alpha": alpha, "seed_best_acc_50_epochs": seed_acc, "seed_lr": seed_lr,
+            rows.append({"protocol": " ".join(SEED002_PROTOCOL), "row": label, "alpha": alpha,
+                         "seed_best_acc_50_epochs": seed_acc, "seed_lr": seed_lr,
                          "ours_mean": mean, "ours_min": low, "ours_max": high, "ours_lrs": lrs,
                          "ours_worst_worker_mean": rt.spread([r["final_min_worker_accuracy"] for r in best])[0],
                          "ours_averaged_model_mean": rt.spread([r["final_averaged_model_accuracy"] for r in best])[0]})
@@ -1010,8 +1011,8 @@ def seed002_table_a(ctx):
                         if r["row"] == label and r["alpha"] == alpha and math.isclose(r["lr"], lr)]
                 mean, low, high = rt.spread(mine)
                 seed_acc = THESIS_A[label][lr][ALPHAS.index(alpha)]
-                rows.append({"row": label, "lr": lr, "alpha": alpha, "seed": seed_acc, "ours_mean": mean,
-                             "ours_min": low, "ours_max": high})
+                rows.append({"protocol": " ".join(SEED002_PROTOCOL), "row": label, "lr": lr, "alpha": alpha,
+                             "seed": seed_acc, "ours_mean": mean, "ours_min": low, "ours_max": high})
                 cells.append(f"{seed_acc:.4f} | {mean:.4f}")
             table.append(cells)
     print()

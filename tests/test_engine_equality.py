@@ -12,7 +12,9 @@ value against its level:
 
 - low_precision_decentralized quantizes z = mix(x) − x̂, a small change of weights of
   order 0.5: an ulp of x is ~1e-3 of z's level (~2e-4 here), so a few coordinates of a
-  run take another level (observed: up to 5 of 780, differing by up to 0.94 level). Its
+  run take another level (observed: up to 5 of 780, differing by up to 0.94 level, on an
+  AVX2 CPU; up to 24 of 780 at 8 workers, by up to 0.994 level, on an AVX-512 Xeon, whose
+  kernels sum in another order). Its
   cases are held to LEVEL_RULE: every value within the exact bound except at most
   LEVEL_RULE["coordinates"] of the coordinates, and those within LEVEL_RULE["levels"]
   levels of the largest quantization step of the engine's run. A level taken otherwise
@@ -74,7 +76,7 @@ from bagua_algos.experiments.gloo_workers import run_workers
 RTOL = 1e-5
 # The algorithms whose quantized values may take another level in the two forms (above).
 LEVEL_RULE_ALGORITHMS = ("low_precision_decentralized",)
-LEVEL_RULE = {"coordinates": 0.02, "levels": 2.0}
+LEVEL_RULE = {"coordinates": 0.05, "levels": 2.0}
 QADAM_WD = {"variant": "frozen", "weight_decay": 1e-4}
 FLIP_SHARE = 0.1
 

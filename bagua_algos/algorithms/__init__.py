@@ -19,6 +19,7 @@ from .relay import RelayAlgorithm, RelayAlgorithmImpl
 from .relaysum_grad import RelaySumGradAlgorithm, RelaySumGradAlgorithmImpl
 from .sgp import SGPAlgorithm, SGPAlgorithmImpl
 from .sign_norm import SignNormAlgorithm
+from .sparseloco import SparseLoCoAlgorithm, SparseLoCoAlgorithmImpl
 from .signum import SignumAlgorithm
 from .terngrad import TernGradAlgorithm, TernGradAlgorithmImpl
 from .unbiased_low_rank import UnbiasedLowRankAlgorithm
@@ -61,6 +62,8 @@ __all__ = [
     "SGPAlgorithmImpl",
     "SignNormAlgorithm",
     "SignumAlgorithm",
+    "SparseLoCoAlgorithm",
+    "SparseLoCoAlgorithmImpl",
     "TernGradAlgorithm",
     "TernGradAlgorithmImpl",
     "UnbiasedLowRankAlgorithm",

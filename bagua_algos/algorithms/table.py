@@ -223,6 +223,11 @@ ALGORITHM_TABLE: tuple[AlgorithmConfig, ...] = (
     # Streaming DiLoCo's overlap: each fragment's outer step and merge one step after its sync
     AlgorithmConfig("diloco_streaming_overlap", "diloco", {"sync_every": 4, "fragments": 2, "overlap": 1},
                     replicas="drift"),
+    # SparseLoCo: DiLoCo's inner steps, then each worker's error-fed chunk-wise Top-k at 2 bits and a plain
+    # outer step on their mean (short H and small chunks, so that short runs synchronise, several chunks a
+    # tensor). On another device an entry taken otherwise (a near tie, a level boundary) moves one value.
+    AlgorithmConfig("sparseloco", "sparseloco", {"sync_every": 2, "chunk": 8, "topk_density": 0.1},
+                    replicas="drift", tolerance=5e-3),
     AlgorithmConfig("async", "async", {"sync_interval_ms": 5}, replicas="drift", background_rounds=True,
                     exact_alone=True),
 )

@@ -6,6 +6,7 @@ from .atomo import AtomoAlgorithm
 from .bytegrad import ByteGradAlgorithm, ByteGradAlgorithmImpl
 from .d2 import D2Algorithm, D2AlgorithmImpl
 from .decentralized import DecentralizedAlgorithm, DecentralizedAlgorithmImpl, shift_one_peer
+from .demo import DeMoAlgorithm, DeMoAlgorithmImpl
 from .diloco import DiLoCoAlgorithm, DiLoCoAlgorithmImpl
 from .gradient_allreduce import GradientAllReduceAlgorithm, GradientAllReduceAlgorithmImpl
 from .gradient_tracking import GradientTrackingAlgorithm, GradientTrackingAlgorithmImpl
@@ -36,6 +37,8 @@ __all__ = [
     "D2Algorithm",
     "D2AlgorithmImpl",
     "DecentralizedAlgorithm",
+    "DeMoAlgorithm",
+    "DeMoAlgorithmImpl",
     "DiLoCoAlgorithm",
     "DiLoCoAlgorithmImpl",
     "DecentralizedAlgorithmImpl",

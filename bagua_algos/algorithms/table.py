@@ -228,6 +228,9 @@ ALGORITHM_TABLE: tuple[AlgorithmConfig, ...] = (
     # tensor). On another device an entry taken otherwise (a near tie, a level boundary) moves one value.
     AlgorithmConfig("sparseloco", "sparseloco", {"sync_every": 2, "chunk": 8, "topk_density": 0.1},
                     replicas="drift", tolerance=5e-3),
+    # DeMo: each worker's momentum, its chunks' top DCT coefficients allgathered, the sign of their decoded mean
+    # applied by SGD (as signum, a sign decided otherwise on another device moves a weight by a step)
+    AlgorithmConfig("demo", "demo", {"chunk": 8, "topk": 8}, tolerance=5e-3),
     AlgorithmConfig("async", "async", {"sync_interval_ms": 5}, replicas="drift", background_rounds=True,
                     exact_alone=True),
 )

@@ -21,6 +21,7 @@ from .relaysum_grad import RelaySumGradAlgorithm, RelaySumGradAlgorithmImpl
 from .sgp import SGPAlgorithm, SGPAlgorithmImpl
 from .sign_norm import SignNormAlgorithm
 from .sparseloco import SparseLoCoAlgorithm, SparseLoCoAlgorithmImpl
+from .sparta import SpartaAlgorithm, SpartaAlgorithmImpl
 from .signum import SignumAlgorithm
 from .terngrad import TernGradAlgorithm, TernGradAlgorithmImpl
 from .unbiased_low_rank import UnbiasedLowRankAlgorithm
@@ -67,6 +68,8 @@ __all__ = [
     "SignumAlgorithm",
     "SparseLoCoAlgorithm",
     "SparseLoCoAlgorithmImpl",
+    "SpartaAlgorithm",
+    "SpartaAlgorithmImpl",
     "TernGradAlgorithm",
     "TernGradAlgorithmImpl",
     "UnbiasedLowRankAlgorithm",

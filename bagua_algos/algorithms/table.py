@@ -231,6 +231,10 @@ ALGORITHM_TABLE: tuple[AlgorithmConfig, ...] = (
     # DeMo: each worker's momentum, its chunks' top DCT coefficients allgathered, the sign of their decoded mean
     # applied by SGD (as signum, a sign decided otherwise on another device moves a weight by a step)
     AlgorithmConfig("demo", "demo", {"chunk": 8, "topk": 8}, tolerance=5e-3),
+    # SPARTA: a random 5 % of the parameters (the same places everywhere) averaged after every step; alone an
+    # average of one is the identity. Then with DiLoCo's outer step every 2 steps.
+    AlgorithmConfig("sparta", "sparta", {"fraction": 0.05}, replicas="drift", exact_alone=True),
+    AlgorithmConfig("sparta_diloco", "sparta", {"fraction": 0.05, "sync_every": 2}, replicas="drift"),
     AlgorithmConfig("async", "async", {"sync_interval_ms": 5}, replicas="drift", background_rounds=True,
                     exact_alone=True),
 )

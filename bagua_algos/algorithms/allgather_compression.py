@@ -37,7 +37,7 @@ from .byte_counts import CountsBytes
 from ..runtime.algorithm import Algorithm, AlgorithmImpl
 
 __all__ = ["AllgatherCompressionAlgorithm", "AllgatherCompressionImpl", "contribution", "bucket_step",
-           "allgather_into_rows"]
+           "allgather_into_rows", "optimizer_momenta"]
 
 
 def contribution(grad: torch.Tensor, state: dict, momentum, error_feedback: bool,
@@ -67,6 +67,13 @@ def bucket_step(settings, codec, flat: torch.Tensor, state: dict, allgather, gen
     update, sent = compress_aggregate(codec, a, allgather, error=state.get("error"), generator=generator)
     flat.copy_(update.expand_as(flat))
     return sent
+
+
+def optimizer_momenta(optimizers) -> list:
+    """The nonzero ``momentum`` settings of the optimizers' parameter groups, sorted: what
+    an algorithm keeping its own momentum (Signum, DeMo) warns about."""
+    return sorted({group.get("momentum", 0) for opt in optimizers for group in opt.param_groups
+                   if group.get("momentum", 0)})
 
 
 def allgather_into_rows(messages: torch.Tensor, group) -> torch.Tensor:

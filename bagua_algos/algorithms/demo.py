@@ -52,7 +52,7 @@ import torch
 from ..arguments import check_int, check_real
 from ..compression.chunked_topk import DCTTopKCodec
 from ..runtime.algorithm import GlobalAlgorithmRegistry
-from .allgather_compression import AllgatherCompressionAlgorithm, AllgatherCompressionImpl
+from .allgather_compression import AllgatherCompressionAlgorithm, AllgatherCompressionImpl, optimizer_momenta
 
 __all__ = ["DeMoAlgorithm", "DeMoAlgorithmImpl"]
 
@@ -88,8 +88,7 @@ class DeMoAlgorithm(AllgatherCompressionAlgorithm):
 
     def check_optimizers(self, optimizers) -> None:
         """Warn about an optimizer with momentum: it would add a second momentum after the sign."""
-        momenta = sorted({group.get("momentum", 0) for opt in optimizers for group in opt.param_groups
-                          if group.get("momentum", 0)})
+        momenta = optimizer_momenta(optimizers)
         if momenta:
             warnings.warn(f"DeMoAlgorithm keeps each worker's momentum (decay {self.decay}) before the exchange; the "
                           f"optimizer's momentum={momenta[0]} adds a second one after the sign, which is not DeMo "

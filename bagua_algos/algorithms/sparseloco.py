@@ -155,4 +155,4 @@ class SparseLoCoAlgorithm(Algorithm):
 
 GlobalAlgorithmRegistry.register(
     "sparseloco", SparseLoCoAlgorithm,
-    "SparseLoCo: H inner steps, then the mean of every worker's error-fed chunk-wise Top-k at 2 bits, a plain outer step")
+    "SparseLoCo: H inner steps, then a plain outer step on the mean of every worker's error-fed chunk-wise Top-k")

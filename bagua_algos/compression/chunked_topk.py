@@ -205,7 +205,8 @@ def quantize_values(values: torch.Tensor, bits: int, range_sigmas: float) -> tup
     scale = torch.where((scale == 0) | ~torch.isfinite(scale), torch.ones_like(scale), scale)
     levels = (centered / scale + bins // 2).round_().clamp_(0, bins - 1)
     index = torch.nan_to_num(levels, nan=0.0).long()  # (a NaN value: its shift is NaN, and so is what it sends)
-    sums = torch.zeros(values.shape[0], bins, dtype=values.dtype, device=values.device).scatter_add_(-1, index, centered)
+    sums = torch.zeros(values.shape[0], bins, dtype=values.dtype, device=values.device)
+    sums.scatter_add_(-1, index, centered)
     counts = torch.zeros_like(sums).scatter_add_(-1, index, torch.ones_like(centered))
     table = torch.where(counts > 0, sums / counts, torch.zeros_like(sums))
     return index.to(values.dtype), shift, table

@@ -17,9 +17,9 @@ from bagua_algos.experiments.gloo_workers import run_workers
 
 def _algorithms(params_for_qadam):
     from bagua_algos.algorithms import (AllreduceAverageAlgorithm, AsyncModelAverageAlgorithm, ByteGradAlgorithm,
-                                        DecentralizedAlgorithm, GradientAllReduceAlgorithm,
+                                        DecentralizedAlgorithm, DeMoAlgorithm, GradientAllReduceAlgorithm,
                                         LowPrecisionDecentralizedAlgorithm, PowerSGDAlgorithm, RelayAlgorithm,
-                                        TernGradAlgorithm)
+                                        SparseLoCoAlgorithm, SpartaAlgorithm, TernGradAlgorithm)
     from bagua_algos.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
 
     qadam_optimizer = QAdamOptimizer(params_for_qadam, lr=0.01, warmup_steps=2)
@@ -34,11 +34,14 @@ def _algorithms(params_for_qadam):
         "bytegrad": lambda: ByteGradAlgorithm(hierarchical=False),
         "qadam": lambda: QAdamAlgorithm(qadam_optimizer, hierarchical=False),
         "async": lambda: AsyncModelAverageAlgorithm(sync_interval_ms=0),
+        "sparseloco": lambda: SparseLoCoAlgorithm(sync_every=3, chunk=4, topk_density=0.25),
+        "demo": lambda: DeMoAlgorithm(chunk=4, topk=2),
+        "sparta": lambda: SpartaAlgorithm(fraction=0.2, sync_every=3),
     }, qadam_optimizer
 
 
 NAMES = ["gradient_allreduce", "allreduce_average", "decentralized", "low_precision_decentralized", "relay",
-         "powersgd", "terngrad", "bytegrad", "qadam", "async"]
+         "powersgd", "terngrad", "bytegrad", "qadam", "async", "sparseloco", "demo", "sparta"]
 
 
 def _build(name, seed=0):
@@ -118,6 +121,21 @@ def _resume_at_two(rank, world_size, root):
             first = optimizer.param_groups[0]["params"][0]
             checks["momentum_carried"] = torch.equal(optimizer.state[first]["exp_avg"],
                                                      saved["optimizer"]["state"][0]["exp_avg"])
+        saved_buckets = saved["bagua"]["bucket_state"]
+        if name == "sparseloco":  # saved after step 4: one outer step taken, a residual left
+            checks["error_was_saved"] = all(float(saved_buckets[b.name]["sparseloco_error"].abs().sum()) > 0
+                                            for b in buckets)
+            checks["error_zero"] = all(float(b.state["sparseloco_error"].abs().sum()) == 0 for b in buckets)
+            checks["outer_carried"] = all(torch.equal(b.state["diloco_outer"], saved_buckets[b.name]["diloco_outer"])
+                                          for b in buckets)
+        if name == "demo":
+            checks["momentum_was_saved"] = all(float(saved_buckets[b.name]["error"].abs().sum()) > 0 for b in buckets)
+            checks["momentum_zero"] = all(float(b.state["error"].abs().sum()) == 0 for b in buckets)
+        if name == "sparta":
+            checks["places_generator_carried"] = all(
+                torch.equal(b.state["sparta_rng_state"], saved_buckets[b.name]["sparta_rng_state"]) for b in buckets)
+            checks["outer_carried"] = all(torch.equal(b.state["diloco_outer"], saved_buckets[b.name]["diloco_outer"])
+                                          for b in buckets)
         if name == "async":
             checks["step_id_carried"] = impl.step_id == saved["bagua"]["algorithm_state"]["step_id"]
             checks["rounds_reset"] = impl.rounds == 0

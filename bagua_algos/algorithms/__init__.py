@@ -6,6 +6,7 @@ from .atomo import AtomoAlgorithm
 from .bytegrad import ByteGradAlgorithm, ByteGradAlgorithmImpl
 from .d2 import D2Algorithm, D2AlgorithmImpl
 from .decentralized import DecentralizedAlgorithm, DecentralizedAlgorithmImpl, shift_one_peer
+from .demo import DeMoAlgorithm, DeMoAlgorithmImpl
 from .diloco import DiLoCoAlgorithm, DiLoCoAlgorithmImpl
 from .gradient_allreduce import GradientAllReduceAlgorithm, GradientAllReduceAlgorithmImpl
 from .gradient_tracking import GradientTrackingAlgorithm, GradientTrackingAlgorithmImpl
@@ -19,6 +20,8 @@ from .relay import RelayAlgorithm, RelayAlgorithmImpl
 from .relaysum_grad import RelaySumGradAlgorithm, RelaySumGradAlgorithmImpl
 from .sgp import SGPAlgorithm, SGPAlgorithmImpl
 from .sign_norm import SignNormAlgorithm
+from .sparseloco import SparseLoCoAlgorithm, SparseLoCoAlgorithmImpl
+from .sparta import SpartaAlgorithm, SpartaAlgorithmImpl
 from .signum import SignumAlgorithm
 from .terngrad import TernGradAlgorithm, TernGradAlgorithmImpl
 from .unbiased_low_rank import UnbiasedLowRankAlgorithm
@@ -35,6 +38,8 @@ __all__ = [
     "D2Algorithm",
     "D2AlgorithmImpl",
     "DecentralizedAlgorithm",
+    "DeMoAlgorithm",
+    "DeMoAlgorithmImpl",
     "DiLoCoAlgorithm",
     "DiLoCoAlgorithmImpl",
     "DecentralizedAlgorithmImpl",
@@ -61,6 +66,10 @@ __all__ = [
     "SGPAlgorithmImpl",
     "SignNormAlgorithm",
     "SignumAlgorithm",
+    "SparseLoCoAlgorithm",
+    "SparseLoCoAlgorithmImpl",
+    "SpartaAlgorithm",
+    "SpartaAlgorithmImpl",
     "TernGradAlgorithm",
     "TernGradAlgorithmImpl",
     "UnbiasedLowRankAlgorithm",

@@ -10,7 +10,9 @@ The contribution a of a bucket's gradient g (the per-worker state lives in
 - with ``momentum`` β (Signum): m ← β·m + (1 − β)·g, a = m (``bucket.state["momentum"]``,
   zero at first);
 - with ``error_feedback``: a = g + e (or m + e), and after the step e ← a − D(C(a))
-  (``bucket.state["error"]``, zero at first): seed 001 Algorithm 2, lines 7 and 9.
+  (``bucket.state["error"]``, zero at first): seed 001 Algorithm 2, lines 7 and 9;
+  with ``error_decay`` β ≠ 1, a = β·e + g (DeMo's momentum, whose sent part is removed:
+  the error buffer is then its m).
 
 A subclass of :class:`AllgatherCompressionAlgorithm` says which codec a bucket gets
 (``make_codec``) and sets ``error_feedback``, ``momentum`` and ``samples`` (whether the
@@ -35,10 +37,11 @@ from .byte_counts import CountsBytes
 from ..runtime.algorithm import Algorithm, AlgorithmImpl
 
 __all__ = ["AllgatherCompressionAlgorithm", "AllgatherCompressionImpl", "contribution", "bucket_step",
-           "allgather_into_rows"]
+           "allgather_into_rows", "optimizer_momenta"]
 
 
-def contribution(grad: torch.Tensor, state: dict, momentum, error_feedback: bool) -> torch.Tensor:
+def contribution(grad: torch.Tensor, state: dict, momentum, error_feedback: bool,
+                 error_decay: float = 1.0) -> torch.Tensor:
     """A new tensor: the worker's contribution of ``grad`` (the module's notes), updating
     ``state["momentum"]`` when ``momentum`` is not None. ``grad`` may be one worker's
     ``[N]`` or the engine's ``[W, N]``, with state of the same shape."""
@@ -48,6 +51,8 @@ def contribution(grad: torch.Tensor, state: dict, momentum, error_feedback: bool
         m.mul_(momentum).add_(grad, alpha=1 - momentum)
         a = m
     if error_feedback:
+        if error_decay != 1.0:
+            return torch.mul(state["error"], error_decay).add_(a)  # β·e, then + a (two roundings, as demo.py)
         return a + state["error"]
     return a.clone()
 
@@ -58,10 +63,17 @@ def bucket_step(settings, codec, flat: torch.Tensor, state: dict, allgather, gen
     ``[N]``, or ``[W, N]`` on the one-process engine) becomes the update; ``state``
     holds the bucket's buffers (``settings.state_buffers()``, shaped as ``flat``).
     Returns the bytes a worker sent. The Bagua op and the DDP hook both run it."""
-    a = contribution(flat, state, settings.momentum, settings.error_feedback)
+    a = contribution(flat, state, settings.momentum, settings.error_feedback, settings.error_decay)
     update, sent = compress_aggregate(codec, a, allgather, error=state.get("error"), generator=generator)
     flat.copy_(update.expand_as(flat))
     return sent
+
+
+def optimizer_momenta(optimizers) -> list:
+    """The nonzero ``momentum`` settings of the optimizers' parameter groups, sorted: what
+    an algorithm keeping its own momentum (Signum, DeMo) warns about."""
+    return sorted({group.get("momentum", 0) for opt in optimizers for group in opt.param_groups
+                   if group.get("momentum", 0)})
 
 
 def allgather_into_rows(messages: torch.Tensor, group) -> torch.Tensor:
@@ -77,6 +89,7 @@ class AllgatherCompressionAlgorithm(Algorithm):
     """Settings every allgather compressor has (the subclasses set them)."""
 
     error_feedback: bool = False
+    error_decay: float = 1.0  # β of a = β·e + g (DeMo); 1: plain error feedback
     momentum = None  # β of a momentum kept before compressing (Signum), or None
     samples: bool = False  # whether the codec draws random numbers
     seed: int = 0

@@ -61,7 +61,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -115,11 +115,11 @@ def fragment_groups(numels: list, fragments: int) -> list:
 
 
 @torch.no_grad()
-def outer_sgd_step_(outer: torch.Tensor, momentum: torch.Tensor, delta: torch.Tensor, lr: float, mu: float,
-                    nesterov: bool, first: bool) -> None:
+def outer_sgd_step_(outer: torch.Tensor, momentum: Optional[torch.Tensor], delta: torch.Tensor, lr: float,
+                    mu: float, nesterov: bool, first: bool) -> None:
     """torch.optim.SGD's step on θ_outer with gradient Δ, in place (no dampening, no
     weight decay): b ← Δ at the first step, else μ b + Δ; d = Δ + μ b (Nesterov) or b
-    (μ > 0) or Δ; θ_outer ← θ_outer − η d."""
+    (μ > 0) or Δ; θ_outer ← θ_outer − η d. ``momentum`` (b) may be None when μ = 0."""
     if mu == 0:
         outer.add_(delta, alpha=-lr)
         return
@@ -133,7 +133,7 @@ def outer_sgd_step_(outer: torch.Tensor, momentum: torch.Tensor, delta: torch.Te
 
 class DiLoCoAlgorithmImpl(ModelAveragingAlgorithmImpl):
     """Per fragment, one bucket (``fragment<f>``) whose ``state`` holds θ_outer
-    (``diloco_outer``), the outer momentum (``diloco_momentum``) and how many outer steps
+    (``diloco_outer``), the outer momentum (``diloco_momentum``, with μ > 0) and how many outer steps
     it took (``diloco_outer_steps``), and with ``overlap`` the averaged Δ in flight
     (``diloco_pending``) and the step its outer step lands at (``diloco_due``, 0: none):
     checkpointed with the bucket, resumed exactly."""
@@ -169,8 +169,11 @@ class DiLoCoAlgorithmImpl(ModelAveragingAlgorithmImpl):
         if not (torch.is_tensor(state.get("diloco_outer")) and state["diloco_outer"].shape == weights.shape):
             # with_bagua broadcast the parameters before calling us: this is the common θ_outer
             state["diloco_outer"] = weights.detach().clone()
-            state["diloco_momentum"] = torch.zeros_like(weights)
+            state.pop("diloco_momentum", None)
             state["diloco_outer_steps"] = 0
+        if self.settings.outer_momentum and not (torch.is_tensor(state.get("diloco_momentum"))
+                                                 and state["diloco_momentum"].shape == weights.shape):
+            state["diloco_momentum"] = torch.zeros_like(weights)  # (none without outer momentum)
         if self.settings.overlap and not (torch.is_tensor(state.get("diloco_pending"))
                                           and state["diloco_pending"].shape == weights.shape):
             state["diloco_pending"] = torch.zeros_like(weights)
@@ -199,8 +202,8 @@ class DiLoCoAlgorithmImpl(ModelAveragingAlgorithmImpl):
         weights = bucket.flat_view()
         outer = state["diloco_outer"]
         delta = outer - weights  # Δ_i, a worker's (a row each on the engine)
-        self.bytes_total += self._average(delta)
-        outer_sgd_step_(outer, state["diloco_momentum"], delta, settings.outer_lr, settings.outer_momentum,
+        self.bytes_total += self.average_pseudo_gradient(bucket, delta)
+        outer_sgd_step_(outer, state.get("diloco_momentum"), delta, settings.outer_lr, settings.outer_momentum,
                         settings.nesterov, state["diloco_outer_steps"] == 0)
         state["diloco_outer_steps"] += 1
         weights.copy_(outer)
@@ -227,13 +230,19 @@ class DiLoCoAlgorithmImpl(ModelAveragingAlgorithmImpl):
         if handle is not None:
             handle.wait()
         outer = state["diloco_outer"]
-        outer_sgd_step_(outer, state["diloco_momentum"], state["diloco_pending"], settings.outer_lr,
+        outer_sgd_step_(outer, state.get("diloco_momentum"), state["diloco_pending"], settings.outer_lr,
                         settings.outer_momentum, settings.nesterov, state["diloco_outer_steps"] == 0)
         state["diloco_outer_steps"] += 1
         state["diloco_due"] = 0
         weights = bucket.flat_view()
         weights.mul_(settings.merge_alpha).add_(outer, alpha=1.0 - settings.merge_alpha)
         bucket.write_flat(weights)
+
+    def average_pseudo_gradient(self, bucket: BaguaBucket, delta: torch.Tensor) -> int:
+        """Step 2 of :meth:`outer_step`: ``delta`` (this worker's Δ_i, a row each on the
+        engine) becomes what the outer step applies, the mean over the workers; returns
+        a worker's bytes. A subclass exchanging Δ otherwise (SparseLoCo) overrides it."""
+        return self._average(delta)
 
     def wait_in_flight(self) -> None:
         """Wait for every fragment's allreduce in flight: its averaged Δ is then in

@@ -37,7 +37,7 @@ import torch
 from ..arguments import check_real
 from ..compression.signs import MajorityVoteCodec
 from ..runtime.algorithm import GlobalAlgorithmRegistry
-from .allgather_compression import AllgatherCompressionAlgorithm
+from .allgather_compression import AllgatherCompressionAlgorithm, optimizer_momenta
 
 __all__ = ["SignumAlgorithm"]
 
@@ -55,8 +55,7 @@ class SignumAlgorithm(AllgatherCompressionAlgorithm):
 
     def check_optimizers(self, optimizers) -> None:
         """Warn about an optimizer with momentum: it would add a second momentum after the vote."""
-        momenta = sorted({group.get("momentum", 0) for opt in optimizers for group in opt.param_groups
-                          if group.get("momentum", 0)})
+        momenta = optimizer_momenta(optimizers)
         if momenta:
             warnings.warn(f"SignumAlgorithm keeps each worker's momentum (β = {self.momentum}) before the vote; "
                           f"the optimizer's momentum={momenta[0]} adds a second one after it, which is not Signum "

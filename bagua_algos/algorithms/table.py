@@ -223,6 +223,18 @@ ALGORITHM_TABLE: tuple[AlgorithmConfig, ...] = (
     # Streaming DiLoCo's overlap: each fragment's outer step and merge one step after its sync
     AlgorithmConfig("diloco_streaming_overlap", "diloco", {"sync_every": 4, "fragments": 2, "overlap": 1},
                     replicas="drift"),
+    # SparseLoCo: DiLoCo's inner steps, then each worker's error-fed chunk-wise Top-k at 2 bits and a plain
+    # outer step on their mean (short H and small chunks, so that short runs synchronise, several chunks a
+    # tensor). On another device an entry taken otherwise (a near tie, a level boundary) moves one value.
+    AlgorithmConfig("sparseloco", "sparseloco", {"sync_every": 2, "chunk": 8, "topk_density": 0.1},
+                    replicas="drift", tolerance=5e-3),
+    # DeMo: each worker's momentum, its chunks' top DCT coefficients allgathered, the sign of their decoded mean
+    # applied by SGD (as signum, a sign decided otherwise on another device moves a weight by a step)
+    AlgorithmConfig("demo", "demo", {"chunk": 8, "topk": 8}, tolerance=5e-3),
+    # SPARTA: a random 5 % of the parameters (the same places everywhere) averaged after every step; alone an
+    # average of one is the identity. Then with DiLoCo's outer step every 2 steps.
+    AlgorithmConfig("sparta", "sparta", {"fraction": 0.05}, replicas="drift", exact_alone=True),
+    AlgorithmConfig("sparta_diloco", "sparta", {"fraction": 0.05, "sync_every": 2}, replicas="drift"),
     AlgorithmConfig("async", "async", {"sync_interval_ms": 5}, replicas="drift", background_rounds=True,
                     exact_alone=True),
 )

@@ -96,6 +96,8 @@ __all__ = [
     "decode_chunks",
     "encoded_size",
     "marked",
+    "pack_levels",
+    "unpack_levels",
 ]
 
 HEADER_BYTES = 10
@@ -271,6 +273,27 @@ def _pack(idx: torch.Tensor, bits: int, out: torch.Tensor) -> None:
             _WEIGHTS[key] = torch.tensor([float(1 << (8 - bits * (j + 1))) for j in range(per)], device=idx.device)
         idx = torch.mv(idx.reshape(-1, per), _WEIGHTS[key]).view(rows, -1)
     out.copy_(idx.add_(_MAGIC).view(torch.int32))
+
+
+def pack_levels(levels: torch.Tensor, bits: int) -> torch.Tensor:
+    """``levels`` (R, n), level indices in [0, 2**bits) (integers or integral floats),
+    packed as this codec packs its payload: (R, ceil(n*bits/8)) uint8, 8 // bits values a
+    byte, the first in the high bits, unused slots 0. For a codec of its own levels
+    (SparseLoCo's statistical quantizer) that sends ``bits`` bits a value."""
+    bits = _check_bits(bits)
+    if levels.dim() != 2:
+        raise ValueError(f"levels must be (rows, n), got shape {tuple(levels.shape)}")
+    out = torch.empty((levels.shape[0], -(-levels.shape[1] * bits // 8)), dtype=torch.uint8, device=levels.device)
+    _pack(levels.to(torch.float32, copy=True), bits, out)
+    return out
+
+
+def unpack_levels(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """The inverse of :func:`pack_levels`: (R, B) uint8 → the (R, n) level indices, int64."""
+    bits = _check_bits(bits)
+    check_int("n", n, 0, packed.shape[-1] * (8 // bits) + 1,
+              what=f"an int in [0, {8 // bits} x {packed.shape[-1]} bytes]")
+    return _slots(bits, packed.device)[packed.long()].reshape(packed.shape[0], -1)[:, :n]
 
 
 def _headers(bits: int, tail: int, mn: torch.Tensor, mx: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,8 @@ COMMANDS = {
     "qadam-variants": ("bagua_algos.experiments.qadam_variants", "QAdam's variants trained side by side"),
     "exchange-order-benchmark": ("bagua_algos.experiments.exchange_order_benchmark",
                                  "neighbour exchanges posted in several orders against an allreduce"),
+    "exogym-compare": ("bagua_algos.experiments.exogym_compare",
+                       "EXO Gym against the one-process engine: step time, memory, accuracy (needs exogym)"),
 }
 
 

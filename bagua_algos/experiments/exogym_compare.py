@@ -4,7 +4,8 @@ EXO Gym (exo-explore/gym on GitHub, the ``exogym`` package) simulates DiLoCo, De
 SPARTA and others on one machine with one process per simulated node (``mp.spawn``,
 a gloo group, a barrier after every step). The engine (``bagua_algos.engine``) stacks
 the n workers in one process. This command trains both on the same task and prints,
-per method: the time of a training step (every node's, after a warm-up), the peak
+per method: the time of a training step (every node's, after a warm-up; wall clock and
+the CPU time of all its processes, which a loaded machine moves much less), the peak
 memory of the whole process tree (PSS, sampled), the wall time of the run from an
 empty Python to the trained model, and the final test accuracy (mean [min, max] over
 the seeds), with the ratios EXO Gym / engine::
@@ -143,16 +144,16 @@ class _LossModel(torch.nn.Module):
 
 
 class _StepClock:
-    """Mixed into an EXO Gym strategy: rank 0 notes the time after each step and, after
-    the last, writes the times to ``clock_path`` (the strategy's own step is unchanged)."""
+    """Mixed into an EXO Gym strategy: every rank notes the wall and CPU time (this
+    process's, all its threads) after each step and, after the last, writes them to
+    ``clock_path.RANK`` (the strategy's own step is unchanged)."""
 
     def step(self):
         super().step()
-        if self.rank == 0:
-            times = self.__dict__.setdefault("_times", [])
-            times.append(time.perf_counter())
-            if len(times) >= self.max_steps:
-                Path(self.clock_path).write_text(json.dumps(times))
+        times = self.__dict__.setdefault("_times", [])
+        times.append((time.perf_counter(), time.process_time()))
+        if len(times) >= self.max_steps:
+            Path(f"{self.clock_path}.{self.rank}").write_text(json.dumps(times))
 
 
 def _timed_strategies() -> dict:
@@ -197,7 +198,9 @@ def run_exogym(args, method: str, seed: int) -> dict:
     final = trainer.fit(num_epochs=10**6, strategy=strategy, num_nodes=args.nodes, max_steps=args.steps,
                         batch_size=args.batch, minibatch_size=args.batch, val_size=0, val_interval=10**9,
                         disable_logging=True, seed=seed)
-    times = json.loads(clock.read_text())
+    ranks = [json.loads(Path(f"{clock}.{rank}").read_text()) for rank in range(args.nodes)]
+    # rank 0's wall clock (every step ends with EXO Gym's barrier); the CPU time of all nodes
+    times = [(wall, sum(rank[i][1] for rank in ranks)) for i, (wall, _) in enumerate(ranks[0])]
     return {"accuracy": _accuracy(final.net, data), "times": times}
 
 
@@ -223,7 +226,7 @@ def run_engine(args, method: str, seed: int) -> dict:
     while len(times) < args.steps:
         for index in rt.iid_batches(len(data.train_y), args.nodes, args.batch, epoch, seed, "cpu"):
             engine.step(data.train_x[index], data.train_y[index], loss_fn)
-            times.append(time.perf_counter())
+            times.append((time.perf_counter(), time.process_time()))
             if len(times) == args.steps:
                 break
         epoch += 1
@@ -240,9 +243,10 @@ def run_one(args) -> int:
     record = (run_exogym if framework == "exogym" else run_engine)(args, method, seed)
     times = record.pop("times")
     timed = times[args.warmup:]
+    per = max(1, len(timed) - 1)
     record.update({"framework": framework, "method": method, "seed": seed, "steps": len(times),
-                   "step_s": (timed[-1] - timed[0]) / max(1, len(timed) - 1), "in_process_s":
-                   time.perf_counter() - started})
+                   "step_s": (timed[-1][0] - timed[0][0]) / per, "cpu_step_s": (timed[-1][1] - timed[0][1]) / per,
+                   "in_process_s": time.perf_counter() - started})
     Path(args.result).write_text(json.dumps(record))
     return 0
 
@@ -323,7 +327,7 @@ def _spread(values) -> str:
 
 def report(records: list, methods: list) -> None:
     print()
-    head = ["method", "framework", "step ms", "peak PSS MiB", "wall s", "test acc %"]
+    head = ["method", "framework", "step ms", "CPU ms a step", "peak PSS MiB", "wall s", "test acc %"]
     rows = []
     for method in methods:
         for framework in FRAMEWORKS:
@@ -331,7 +335,8 @@ def report(records: list, methods: list) -> None:
             if not mine:
                 continue
             rows.append([method, framework, _spread([1000 * r["step_s"] for r in mine]),
-                         _spread([r["peak_pss_mib"] for r in mine]), _spread([r["wall_s"] for r in mine]),
+                         _spread([1000 * r["cpu_step_s"] for r in mine]), _spread([r["peak_pss_mib"] for r in mine]),
+                         _spread([r["wall_s"] for r in mine]),
                          _spread([100 * r["accuracy"] for r in mine])])
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
     print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
@@ -344,13 +349,15 @@ def report(records: list, methods: list) -> None:
         if not (by["exogym"] and by["engine"]):
             continue
         ratio = [e["step_s"] / g["step_s"] for e in by["exogym"] for g in by["engine"] if e["seed"] == g["seed"]]
+        cpu = [e["cpu_step_s"] / g["cpu_step_s"] for e in by["exogym"] for g in by["engine"] if e["seed"] == g["seed"]]
         memory = statistics.mean(r["peak_pss_mib"] for r in by["exogym"]) / statistics.mean(
             r["peak_pss_mib"] for r in by["engine"])
         wall = statistics.mean(r["wall_s"] for r in by["exogym"]) / statistics.mean(r["wall_s"] for r in by["engine"])
         exo = [r["accuracy"] for r in by["exogym"]]
         eng = [r["accuracy"] for r in by["engine"]]
         overlap = max(min(exo), min(eng)) <= min(max(exo), max(eng))
-        print(f"{method}: step time EXO Gym / engine {_spread(ratio)} (per seed); peak memory {memory:.2f}x; "
+        print(f"{method}: step time EXO Gym / engine {_spread(ratio)} (per seed), CPU time a step {_spread(cpu)}; "
+              f"peak memory {memory:.2f}x; "
               f"wall {wall:.2f}x; accuracy {100 * statistics.mean(exo):.1f}% against {100 * statistics.mean(eng):.1f}%"
               f" ({'ranges over seeds overlap' if overlap else 'ranges over seeds do not overlap'})")
     for r in records:
@@ -383,7 +390,8 @@ def main(argv=None) -> int:
                 if "error" in record:
                     print(f"  {framework} {method} seed {seed}: failed", flush=True)
                 else:
-                    print(f"  {framework} {method} seed {seed}: {1000 * record['step_s']:.1f} ms/step, peak "
+                    print(f"  {framework} {method} seed {seed}: {1000 * record['step_s']:.1f} ms/step "
+                          f"({1000 * record['cpu_step_s']:.1f} CPU ms), peak "
                           f"{record['peak_pss_mib']:.0f} MiB, wall {record['wall_s']:.1f} s, test acc "
                           f"{100 * record['accuracy']:.1f}% (load {os.getloadavg()[0]:.1f})", flush=True)
     report(records, args.method_list)

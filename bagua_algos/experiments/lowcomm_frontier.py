@@ -61,7 +61,7 @@ __all__ = ["BUDGETS", "LR_GRID", "TASKS", "lowcomm_frontier", "measure_bytes", "
 
 BUDGETS = (20, 100)
 """The budgets: gradient allreduce's measured bytes per step divided by these."""
-LR_GRID = (3e-4, 1e-3, 3e-3)
+LR_GRID = (3e-4, 1e-3, 3e-3, 1e-2)
 SPARSELOCO_DENSITY = 0.05  # the density SparseLoCo's H is chosen to come nearest to
 DEMO_TOPK = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # DeMo's measured grid
 DILOCO_PROTOCOL = PROTOCOLS["diloco"]
@@ -316,9 +316,9 @@ def tuned_runs(ctx, task: Task, setting: rt.Setting, data, config: AlgorithmConf
     lr = max(LR_GRID, key=lambda g: first[g].score(task.text))
     runs = [first[lr]] + [train_once(task, setting, data, config, seed, lr, ctx.device) for seed in ctx.seeds[1:]]
     grid = ", ".join(f"{g:g}: {_score_text(first[g], task.text)}" for g in LR_GRID)
+    seconds = sum(r.seconds for r in runs) + sum(first[g].seconds for g in LR_GRID if g != lr)
     print(f"   {config.label}: seed {ctx.seeds[0]} over the grid ({grid}) -> lr {lr:g}; "
-          f"seeds {_runs_text(runs, task.text)} ({sum(r.seconds for r in runs) + sum(first[g].seconds for g in LR_GRID if g != lr):.0f} s)",
-          flush=True)
+          f"seeds {_runs_text(runs, task.text)} ({seconds:.0f} s)", flush=True)
     return lr, runs
 
 

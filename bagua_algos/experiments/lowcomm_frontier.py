@@ -61,7 +61,7 @@ __all__ = ["BUDGETS", "LR_GRID", "TASKS", "lowcomm_frontier", "measure_bytes", "
 
 BUDGETS = (20, 100)
 """The budgets: gradient allreduce's measured bytes per step divided by these."""
-LR_GRID = (3e-4, 1e-3, 3e-3, 1e-2)
+LR_GRID = (1e-3, 3e-3, 1e-2, 3e-2)
 SPARSELOCO_DENSITY = 0.05  # the density SparseLoCo's H is chosen to come nearest to
 DEMO_TOPK = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # DeMo's measured grid
 DILOCO_PROTOCOL = PROTOCOLS["diloco"]

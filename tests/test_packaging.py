@@ -98,7 +98,7 @@ def test_wheel_contains_the_compat_package(repo_root, tmp_path):
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for path in ("bagua_algos/compat/__init__.py", "bagua_algos/compat/bagua/__init__.py",
-                 "bagua_algos/runtime/launch.py", "topologies/trees.py", "samplers/dirichlet.py",
+                 "bagua_algos/launcher/launch.py", "topologies/trees.py", "samplers/dirichlet.py",
                  "cuda_ext/__init__.py", "cuda_ext/csrc/householder.h", "cuda_ext/csrc/orthogonalize_kernel.cu",
                  "cuda_ext/csrc/orthogonalize_cpu.cpp", "cuda_ext/csrc/orthogonalize_cuda.cpp",
                  "cuda_ext/csrc/bindings.cpp", "cuda_ext/csrc/orthogonalize.h", "cuda_ext/csrc/orthogonalize_kernel.h"):

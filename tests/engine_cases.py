@@ -113,7 +113,7 @@ def _before_step(name, kwargs, net, opt) -> None:
 def stacked(world, name, kwargs):
     """On the engine: [world, d] parameters (registration order) after STEPS steps."""
     from bagua_algos.engine import Engine
-    from bagua_algos.engine.data import WorkerShares
+    from samplers import WorkerShares
 
     x, y = data()
     net = model()

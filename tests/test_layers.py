@@ -26,9 +26,8 @@ ALLOWED = {
     "bagua_algos.launch": {"bagua_algos.launcher"},
     # the launcher puts the package `bagua` on the workers' path, found by compat's finder
     "bagua_algos.launcher": {"bagua_algos.runtime", "bagua_algos.compat"},
-    # the one-process engine: a backend of the runtime (and its workers' shares)
-    "bagua_algos.engine": {"bagua_algos.algorithms", "bagua_algos.runtime", "bagua_algos.compression",
-                           "bagua_algos.arguments", "topologies", "samplers"},
+    # the one-process engine: a backend of the runtime (the algorithms it runs are the caller's)
+    "bagua_algos.engine": {"bagua_algos.runtime", "bagua_algos.arguments"},
     # an algorithm named by its code, loaded with the compatibility package on the path
     "bagua_algos.algorithm_source": {"bagua_algos.runtime", "bagua_algos.compat"},
     "bagua_algos.algorithms": {"bagua_algos.runtime", "bagua_algos.compression", "bagua_algos.arguments"},
@@ -42,6 +41,13 @@ ALLOWED = {
     "topologies": set(),
     "samplers": set(),
     "cuda_ext": set(),
+}
+
+
+# A module's import the diagram does not draw, kept for a while, with the reason.
+KEPT_FOR_NOW = {
+    ("bagua_algos/engine/data.py", "samplers"): "re-exports samplers.WorkerShares for the two experiments "
+                                                 "modules that still import it from there",
 }
 
 
@@ -79,7 +85,8 @@ def test_every_import_between_layers_is_an_arrow_of_the_diagram():
                 if imported.split(".")[0] not in PACKAGES:
                     continue
                 there = _layer(imported)
-                if there != here and there not in ALLOWED[here]:
+                kept = (str(path.relative_to(REPO)), there) in KEPT_FOR_NOW
+                if there != here and there not in ALLOWED[here] and not kept:
                     offenders.append(f"{path.relative_to(REPO)}:{line} imports {imported} ({here} -> {there})")
     assert not offenders, "\n".join(offenders)
 

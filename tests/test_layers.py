@@ -16,7 +16,8 @@ ALLOWED = {
     # (`import bagua_algos` itself: the package's patches of torch.nn.Module, with_bagua)
     "bagua_algos.experiments": {"bagua_algos", "bagua_algos.algorithm_source", "bagua_algos.algorithms",
                                 "bagua_algos.compression", "bagua_algos.engine", "bagua_algos.launcher",
-                                "bagua_algos.runtime", "topologies", "samplers", "cuda_ext"},
+                                "bagua_algos.lightning", "bagua_algos.runtime", "topologies", "samplers",
+                                "cuda_ext"},
     "bagua_algos": {"bagua_algos.algorithms", "bagua_algos.runtime"},
     "bagua_algos.lightning": {"bagua_algos.algorithms", "bagua_algos.runtime"},
     # the package `bagua` (Bagua's module paths): the runtime, the algorithms and the launcher

@@ -144,7 +144,7 @@ class LowPrecisionDecentralizedSynchronousOp:
             # one encoding (one header) a worker: W = 1 in a job, the n rows on the engine
             width = z.shape[0] if self.stacked else 1
             rows = z.reshape(width, -1)
-            # NaN/inf: the mark; tell the neighbours, then raise with them (see compression.scatter_gather.raise_if_marked)
+            # NaN/inf: the mark; tell the neighbours, then raise with them (compression.scatter_gather)
             mine = minmax.encode_chunks(rows, MINMAX_UINT8_BITS, non_finite="mark")
             if self.stacked:
                 mine = mine.view(width, -1)

@@ -40,7 +40,8 @@ def test_a_command_whose_extra_is_missing_names_the_extra(monkeypatch, capsys):
         cli.main(["lightning-benchmark", "--help"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err == (
-        "bagua-algos lightning-benchmark: needs lightning, which is not installed (pip install 'bagua-algos[lightning]')\n")
+        "bagua-algos lightning-benchmark: needs lightning, which is not installed "
+        "(pip install 'bagua-algos[lightning]')\n")
 
 
 def test_top_level_help_lists_the_commands_and_a_bad_command_is_refused(capsys):

@@ -25,7 +25,8 @@ COMMANDS = {
     "network-sweep": ("bagua_algos.experiments.network_sweep",
                       "the synthetic benchmark over emulated networks at several rates (root, Linux)"),
     "engine-benchmark": ("bagua_algos.experiments.engine_benchmark",
-                         "the one-process engine's speed: stacking, its hooks' share of a step, the sweep against processes"),
+                         "the one-process engine's speed: stacking, its hooks' share of a step, "
+                         "the sweep against processes"),
     "bagua-synthetic": ("bagua_algos.experiments.bagua_synthetic", "Bagua's synthetic benchmark, flag for flag"),
     "netem": ("bagua_algos.experiments.netem", "run a job over an emulated network (root, Linux)"),
     "powersgd-benchmark": ("bagua_algos.experiments.powersgd_benchmark",

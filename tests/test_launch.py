@@ -14,7 +14,7 @@ import pytest
 
 from subprocesses import REPO, TIMEOUT, child_env, finish, free_port, start_python
 
-from bagua_algos.runtime import launch
+from bagua_algos.launcher import launch
 
 WORKERS = Path(__file__).resolve().parent / "launch_workers"
 

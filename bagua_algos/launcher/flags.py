@@ -1,9 +1,9 @@
 """The launcher's flags as data: each flag's names, value type, default, help, and
 where it goes on the ``torch.distributed.run`` (torchrun) command line (``FLAGS``).
 
-:mod:`bagua_algos.runtime.launch` builds its parser from ``FLAGS`` and translates
+:mod:`bagua_algos.launcher.launch` builds its parser from ``FLAGS`` and translates
 the parsed flags into torchrun's argument list in one function
-(:func:`bagua_algos.runtime.launch.torchrun_argv`), by each flag's ``torchrun``
+(:func:`bagua_algos.launcher.launch.torchrun_argv`), by each flag's ``torchrun``
 entry. The value parsers here are argparse ``type=`` functions: an
 ``ArgumentTypeError`` becomes "argument --flag: <message>", naming the flag as it
 was typed.

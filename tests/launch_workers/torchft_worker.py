@@ -25,6 +25,7 @@ p.add_argument("--steps", type=int, default=20)
 p.add_argument("--log_dir", required=True)
 p.add_argument("--die_at", type=int, default=-1)
 p.add_argument("--hang_at", type=int, default=-1)
+p.add_argument("--victim", default="node0_replica2", help="the replica that --die_at/--hang_at apply to")
 p.add_argument("--step_sleep", type=float, default=0.0)
 p.add_argument("--timeout", type=float, default=20.0)
 a = p.parse_args()
@@ -42,6 +43,9 @@ if a.algorithm == "diloco":
 model = model.with_bagua([optimizer], Algorithm.init(a.algorithm, **kwargs))
 ftstep = model.bagua_ddp.fault_tolerance
 log = open(os.path.join(a.log_dir, f"{replica}.jsonl"), "a", buffering=1)
+log.write(json.dumps({"pid": os.getpid()}) + "\n")
+if replica != a.victim:
+    a.die_at = a.hang_at = -1
 while ftstep.committed_steps < a.steps:
     step = ftstep.committed_steps
     gen = torch.Generator().manual_seed(1000 * step + comm.get_rank())
@@ -64,5 +68,4 @@ while ftstep.committed_steps < a.steps:
     if a.step_sleep:
         time.sleep(a.step_sleep)
 log.write(json.dumps({"done": ftstep.committed_steps, "discarded_total": ftstep.discarded}) + "\n")
-bagua.destroy_process_group() if hasattr(bagua, "destroy_process_group") else None
 sys.exit(0)

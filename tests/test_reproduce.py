@@ -105,3 +105,29 @@ def test_diloco_h_trades_bytes_for_accuracy_at_a_reduced_size(tmp_path, capsys):
     sync = float(rows["synchronous (gradient allreduce)"]["bytes_per_step"])
     assert [float(rows[f"DiLoCo H={h}"]["bytes_per_step"]) * h for h in reproduce.DILOCO_H] == [sync] * 4
     assert all(0.0 <= float(r["test_accuracy_mean"]) <= 1.0 for r in rows.values())
+
+
+def test_lowcomm_frontier_puts_the_methods_at_equal_measured_bytes(tmp_path, capsys):
+    """At a reduced size (2 workers, 1 epoch of 2 steps, 1 seed): both tasks, every method
+    at each budget beside the baseline, with the bytes each one measured on gloo workers."""
+    from bagua_algos.experiments import lowcomm_frontier
+
+    reproduce.main(["lowcomm-frontier", "--seeds", "1", "--epochs", "1", "--max-steps", "2", "--workers", "2",
+                    "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "SparseLoCo" in out and "DiLoCo" in out and "budget 1/20" in out
+    with open(tmp_path / "lowcomm-frontier.csv") as f:
+        rows = list(csv.DictReader(f))
+    budgets = [f"1/{k}" for k in lowcomm_frontier.BUDGETS]
+    assert {r["task"] for r in rows} == set(lowcomm_frontier.TASKS)
+    for task in lowcomm_frontier.TASKS:
+        mine = [r for r in rows if r["task"] == task]
+        assert [r["budget"] for r in mine] == ["own"] + [b for b in budgets for _ in range(5)]
+        assert {r["algorithm"] for r in mine} == {"gradient_allreduce", "diloco", "sparseloco", "demo", "sparta"}
+        allreduce = float(mine[0]["bytes_per_step"])
+        for r in mine[1:]:  # measured, and near the budget (Streaming DiLoCo's H and DeMo's topk are integers)
+            assert float(r["bytes_per_step"]) > 0
+            assert 0.5 < float(r["bytes_vs_budget"]) < 2.0, r
+            assert float(r["budget_bytes_per_step"]) == pytest.approx(allreduce / int(r["budget"].split("/")[1]))
+        assert all(0.0 <= float(r["accuracy_mean"]) <= 1.0 for r in mine)
+    assert all(float(r["loss_mean"]) > 0 for r in rows if r["task"] == "text")

@@ -47,6 +47,7 @@ from typing import Callable, Mapping
 import torch
 
 from bagua_algos.experiments import reproduce_train as rt
+from bagua_algos.experiments.lowcomm_frontier import lowcomm_frontier
 from bagua_algos.experiments.protocol import PROTOCOLS
 
 QUANTITY_TITLE = {"workers_mean": "workers' test acc (mean over workers)",
@@ -1383,6 +1384,11 @@ EXPERIMENTS = [
                "the number of inner steps H in {1, 10, 50, 200} against synchronous training", diloco_h,
                "CIFAR-10 ResNet-18, 8 workers x 128, 100 epochs",
                cost=SeedCost("resnet18", 15, 100, 8)),
+    Experiment("lowcomm-frontier", "SparseLoCo, DeMo, SPARTA, (Streaming) DiLoCo papers: no common table",
+               "the low-communication methods at two equal budgets of measured bytes per step, MNIST MLP and a "
+               "character-level Transformer", lowcomm_frontier,
+               "no seed scale: the papers pre-train LLMs on many GPUs; --scale seed runs the proxy",
+               needs_data=False),
     Experiment("relaysum-table2", "RelaySum paper Table 2 (seed 002's source)",
                "all-reduce, RelaySum/Model (chain, trees), RelaySum/Grad, D-PSGD / quasi-global momentum, D², SGP x "
                "alpha, without and with momentum, 16 workers, the worst worker",

@@ -1,0 +1,444 @@
+"""EXO Gym against the one-process engine: the same model, data, nodes and methods.
+
+EXO Gym (exo-explore/gym on GitHub, the ``exogym`` package) simulates DiLoCo, DeMo,
+SPARTA and others on one machine with one process per simulated node (``mp.spawn``,
+a gloo group, a barrier after every step). The engine (``bagua_algos.engine``) stacks
+the n workers in one process. This command trains both on the same task and prints,
+per method: the time of a training step (every node's, after a warm-up; wall clock and
+the CPU time of all its processes, which a loaded machine moves much less), the peak
+memory of the whole process tree (PSS, sampled), the wall time of the run from an
+empty Python to the trained model, and the final test accuracy (mean [min, max] over
+the seeds), with the ratios EXO Gym / engine::
+
+    PYTHONPATH=/path/to/gym python benchmarks/exogym_compare.py --nodes 8 --steps 300 --seeds 0,1,2
+
+EXO Gym is not a dependency of this package and is imported only by the runs on its
+side. To get it: clone exo-explore/gym and put the clone's root on ``PYTHONPATH`` (or
+``pip install -e`` it). Its trainer imports ``einops`` (DeMo) and ``psutil`` (its
+minibatch probe) besides torch, numpy and tqdm; ``wandb``, ``datasets``,
+``transformers`` and ``boto3`` of its requirements are not imported by the trainer and
+strategies this command uses. Without it, the command says so and exits with 2.
+
+The task (both sides): the MNIST subset of the sweep (4000 training images, 1000 test),
+the 2-layer MLP of ``reproduce`` (784-128-128-10), 8 nodes × batch 32, ``--steps``
+steps, constant rates (no schedule), each node's data an IID share (EXO Gym: torch's
+``DistributedSampler``; the engine: the same deal, permuted per epoch). Methods:
+
+- ``diloco``: inner AdamW (lr ``--lr-adamw``, weight decay 0.1), every ``--sync-every``
+  steps an outer SGD step (lr 0.7, Nesterov momentum 0.9) on the mean pseudo-gradient
+  (EXO Gym's ``DiLoCoStrategy``; the engine: ``diloco``);
+- ``demo``: DeMo with chunks of 64, top 32 coefficients a chunk, decay 0.999, its sign
+  applied at lr ``--lr-demo`` (EXO Gym's ``DeMoStrategy``, bloc97's optimizer; the
+  engine: ``demo`` under SGD without momentum);
+- ``sparta``: AdamW and a random share ``--sparta-fraction`` of the parameters averaged
+  after every step (EXO Gym's ``SPARTAStrategy``; the engine: ``sparta``).
+
+Every run is a fresh ``python -m bagua_algos.experiments.exogym_compare --one ...``
+child, EXO Gym's and the engine's alike, interleaved per seed, and its process tree's
+memory is sampled every 0.1 s. Step time: EXO Gym's strategy is subclassed only to
+note the time on rank 0 after each step (its loop is unchanged: the step ends with its
+barrier), the engine's steps are timed in the same way; both over the steps after the
+first ``--warmup``. Threads: one torch thread per process on both sides (EXO Gym's 8
+processes can use every core; the engine's one process uses one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["main", "EXOGYM_HOWTO"]
+
+EXOGYM_HOWTO = ("EXO Gym (the exogym package) is not importable: clone exo-explore/gym from GitHub and put the "
+                "clone's root on PYTHONPATH (it needs einops and psutil besides torch, numpy and tqdm), e.g. "
+                "PYTHONPATH=/path/to/gym python benchmarks/exogym_compare.py")
+METHODS = ("diloco", "demo", "sparta")
+FRAMEWORKS = ("exogym", "engine")
+
+
+# ------------------------------------------------------------------------------ command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="exogym_compare", description=__doc__.split("\n")[0])
+    p.add_argument("--nodes", type=int, default=8, help="simulated nodes (default 8)")
+    p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    p.add_argument("--warmup", type=int, default=10, help="steps not timed (default 10)")
+    p.add_argument("--batch", type=int, default=32, help="a node's batch (default 32)")
+    p.add_argument("--methods", default="diloco,demo", help=f"','-separated, of {', '.join(METHODS)}")
+    p.add_argument("--seeds", default="0,1,2", help="','-separated seeds (default 0,1,2)")
+    p.add_argument("--frameworks", default="exogym,engine", help="',' separated, of exogym, engine")
+    p.add_argument("--sync-every", type=int, default=50, help="DiLoCo's H (default 50)")
+    p.add_argument("--lr-adamw", type=float, default=1e-3, help="DiLoCo's and SPARTA's inner AdamW rate")
+    p.add_argument("--lr-demo", type=float, default=1e-3, help="DeMo's rate")
+    p.add_argument("--sparta-fraction", type=float, default=0.005, help="SPARTA's share (EXO Gym's default)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds a run may take")
+    p.add_argument("--out", default=None, help="write every run's record here (JSON)")
+    p.add_argument("--one", nargs=3, metavar=("FRAMEWORK", "METHOD", "SEED"), help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.method_list = [m for m in args.methods.split(",") if m]
+    args.framework_list = [f for f in args.frameworks.split(",") if f]
+    try:
+        args.seed_list = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError:
+        parser.error(f"argument --seeds: expected ','-separated integers, got {args.seeds!r}")
+    bad = [m for m in args.method_list if m not in METHODS]
+    if bad or not args.method_list:
+        parser.error(f"argument --methods: expected some of {', '.join(METHODS)}, got {args.methods!r}")
+    bad = [f for f in args.framework_list if f not in FRAMEWORKS]
+    if bad or not args.framework_list:
+        parser.error(f"argument --frameworks: expected some of {', '.join(FRAMEWORKS)}, got {args.frameworks!r}")
+    for name in ("nodes", "steps", "batch", "sync_every"):
+        if getattr(args, name) < 1:
+            parser.error(f"argument --{name.replace('_', '-')}: expected an integer >= 1")
+    if not 0 <= args.warmup < args.steps:
+        parser.error(f"argument --warmup: expected 0 <= warmup < --steps ({args.steps}), got {args.warmup}")
+    return args
+
+
+# ------------------------------------------------------------------------------ the task
+
+
+def _task(seed: int):
+    """(the MNIST subset's split, a fresh MLP seeded by ``seed``)."""
+    from bagua_algos.experiments import reproduce_train as rt
+
+    data = rt.load("mnist", None, 0, "cpu")
+    torch.manual_seed(seed)
+    return data, rt.make_model("mlp", data.image_shape, data.num_classes)
+
+
+def _accuracy(model: torch.nn.Module, data) -> float:
+    model.eval()
+    with torch.no_grad():
+        return float((model(data.test_x).argmax(-1) == data.test_y).float().mean())
+
+
+class _LossModel(torch.nn.Module):
+    """EXO Gym's model contract: ``model(batch)`` returns the loss."""
+
+    def __init__(self, net: torch.nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, batch):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+
+class _StepClock:
+    """Mixed into an EXO Gym strategy: every rank notes the wall and CPU time (this
+    process's, all its threads) after each step and, after the last, writes them to
+    ``clock_path.RANK`` (the strategy's own step is unchanged)."""
+
+    def step(self):
+        super().step()
+        times = self.__dict__.setdefault("_times", [])
+        times.append((time.perf_counter(), time.process_time()))
+        if len(times) >= self.max_steps:
+            Path(f"{self.clock_path}.{self.rank}").write_text(json.dumps(times))
+
+
+def _timed_strategies() -> dict:
+    """method -> EXO Gym's strategy class with the clock mixed in (module-level names, so
+    that they pickle into EXO Gym's spawned processes); {} without EXO Gym."""
+    try:
+        from exogym.strategy import DeMoStrategy, DiLoCoStrategy, SPARTAStrategy
+    except ImportError:
+        return {}
+    classes = {}
+    for method, base in (("diloco", DiLoCoStrategy), ("demo", DeMoStrategy), ("sparta", SPARTAStrategy)):
+        name = f"Timed{base.__name__}"
+        if name not in globals():
+            globals()[name] = type(name, (_StepClock, base), {"__module__": __name__, "__qualname__": name})
+        classes[method] = globals()[name]
+    return classes
+
+
+def run_exogym(args, method: str, seed: int) -> dict:
+    from types import SimpleNamespace
+
+    from exogym.strategy.optim import OptimSpec
+    from exogym.trainer import Trainer
+
+    from bagua_algos.experiments.common import free_port
+
+    data, net = _task(seed)
+    train = torch.utils.data.TensorDataset(data.train_x, data.train_y)
+    val = torch.utils.data.TensorDataset(data.test_x[:64], data.test_y[:64])
+    clock = Path(tempfile.mkdtemp(prefix="exogym_clock_")) / "times.json"
+    timed = _timed_strategies()[method]
+    adamw = OptimSpec(torch.optim.AdamW, lr=args.lr_adamw, weight_decay=0.1)
+    if method == "diloco":
+        strategy = timed(optim_spec=adamw, H=args.sync_every, clock_path=str(clock))
+    elif method == "demo":
+        strategy = timed(compression_decay=0.999, compression_topk=32, compression_chunk=64, weight_decay=0.0,
+                         strategy_config=SimpleNamespace(optimizer_kwargs={"lr": args.lr_demo}),
+                         clock_path=str(clock))
+    else:
+        strategy = timed(optim_spec=adamw, p_sparta=args.sparta_fraction, clock_path=str(clock))
+    trainer = Trainer(_LossModel(net), train, val, start_port=free_port(), device="cpu")
+    final = trainer.fit(num_epochs=10**6, strategy=strategy, num_nodes=args.nodes, max_steps=args.steps,
+                        batch_size=args.batch, minibatch_size=args.batch, val_size=0, val_interval=10**9,
+                        disable_logging=True, seed=seed)
+    ranks = [json.loads(Path(f"{clock}.{rank}").read_text()) for rank in range(args.nodes)]
+    # rank 0's wall clock (every step ends with EXO Gym's barrier); the CPU time of all nodes
+    times = [(wall, sum(rank[i][1] for rank in ranks)) for i, (wall, _) in enumerate(ranks[0])]
+    return {"accuracy": _accuracy(final.net, data), "times": times}
+
+
+def run_engine(args, method: str, seed: int) -> dict:
+    import bagua_algos.algorithms  # noqa: F401 - registers every algorithm
+    from bagua_algos.engine import Engine
+    from bagua_algos.experiments import reproduce_train as rt
+    from bagua_algos.runtime.algorithm import Algorithm
+
+    data, net = _task(seed)
+    if method == "diloco":
+        algorithm = Algorithm.init("diloco", sync_every=args.sync_every)
+        optimizer = lambda p: torch.optim.AdamW(p, lr=args.lr_adamw, weight_decay=0.1)  # noqa: E731
+    elif method == "demo":
+        algorithm = Algorithm.init("demo", chunk=64, topk=32, decay=0.999)
+        optimizer = lambda p: torch.optim.SGD(p, lr=args.lr_demo)  # noqa: E731
+    else:
+        algorithm = Algorithm.init("sparta", fraction=args.sparta_fraction, seed=seed)
+        optimizer = lambda p: torch.optim.AdamW(p, lr=args.lr_adamw, weight_decay=0.1)  # noqa: E731
+    engine = Engine(net, args.nodes, algorithm, optimizer)
+    loss_fn = torch.nn.functional.cross_entropy
+    times, epoch = [], 0
+    while len(times) < args.steps:
+        for index in rt.iid_batches(len(data.train_y), args.nodes, args.batch, epoch, seed, "cpu"):
+            engine.step(data.train_x[index], data.train_y[index], loss_fn)
+            times.append((time.perf_counter(), time.process_time()))
+            if len(times) == args.steps:
+                break
+        epoch += 1
+    with torch.no_grad():
+        workers = (engine.model.predict(data.test_x) == data.test_y).float().mean(1)
+    averaged = float((engine.model.predict_averaged(data.test_x) == data.test_y).float().mean())
+    return {"accuracy": averaged, "workers_accuracy": workers.tolist(), "times": times}
+
+
+def run_one(args) -> int:
+    framework, method, seed = args.one[0], args.one[1], int(args.one[2])
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    record = (run_exogym if framework == "exogym" else run_engine)(args, method, seed)
+    times = record.pop("times")
+    timed = times[args.warmup:]
+    per = max(1, len(timed) - 1)
+    record.update({"framework": framework, "method": method, "seed": seed, "steps": len(times),
+                   "step_s": (timed[-1][0] - timed[0][0]) / per, "cpu_step_s": (timed[-1][1] - timed[0][1]) / per,
+                   "in_process_s": time.perf_counter() - started})
+    Path(args.result).write_text(json.dumps(record))
+    return 0
+
+
+# ------------------------------------------------------------------------------ memory
+
+
+def _tree_pss_kib(root: int) -> int:
+    """PSS (KiB) summed over ``root`` and every process below it."""
+    children: dict = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1])
+                        break
+        except OSError:
+            pass
+    return total
+
+
+def _run_child(args, framework: str, method: str, seed: int, argv: list) -> dict:
+    """One run in a fresh child, its process tree's PSS sampled; its record."""
+    result = Path(tempfile.mkdtemp(prefix="exogym_compare_")) / "run.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "bagua_algos.experiments.exogym_compare", *argv,
+               "--one", framework, method, str(seed), "--result", str(result)]
+    started = time.perf_counter()
+    child = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    peak, stop = [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _tree_pss_kib(child.pid))
+            stop.wait(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        _, err = child.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, 9)
+        child.communicate()
+        err = f"stopped after {args.timeout:.0f} s"
+    stop.set()
+    sampler.join()
+    wall = time.perf_counter() - started
+    if child.returncode != 0 or not result.is_file():
+        return {"framework": framework, "method": method, "seed": seed, "error": (err or "")[-2000:]}
+    record = json.loads(result.read_text())
+    record.update({"peak_pss_mib": peak[0] / 1024, "wall_s": wall})
+    return record
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def _spread(values) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "n/a"
+    return f"{statistics.mean(values):.4g} [{min(values):.4g}, {max(values):.4g}]"
+
+
+def report(records: list, methods: list) -> None:
+    print()
+    head = ["method", "framework", "step ms", "CPU ms a step", "peak PSS MiB", "wall s", "test acc %"]
+    rows = []
+    for method in methods:
+        for framework in FRAMEWORKS:
+            mine = [r for r in records if r["method"] == method and r["framework"] == framework and "error" not in r]
+            if not mine:
+                continue
+            rows.append([method, framework, _spread([1000 * r["step_s"] for r in mine]),
+                         _spread([1000 * r["cpu_step_s"] for r in mine]), _spread([r["peak_pss_mib"] for r in mine]),
+                         _spread([r["wall_s"] for r in mine]),
+                         _spread([100 * r["accuracy"] for r in mine])])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    print()
+    for method in methods:
+        by = {f: [r for r in records if r["method"] == method and r["framework"] == f and "error" not in r]
+              for f in FRAMEWORKS}
+        if not (by["exogym"] and by["engine"]):
+            continue
+        ratio = [e["step_s"] / g["step_s"] for e in by["exogym"] for g in by["engine"] if e["seed"] == g["seed"]]
+        cpu = [e["cpu_step_s"] / g["cpu_step_s"] for e in by["exogym"] for g in by["engine"] if e["seed"] == g["seed"]]
+        memory = statistics.mean(r["peak_pss_mib"] for r in by["exogym"]) / statistics.mean(
+            r["peak_pss_mib"] for r in by["engine"])
+        wall = statistics.mean(r["wall_s"] for r in by["exogym"]) / statistics.mean(r["wall_s"] for r in by["engine"])
+        exo = [r["accuracy"] for r in by["exogym"]]
+        eng = [r["accuracy"] for r in by["engine"]]
+        overlap = max(min(exo), min(eng)) <= min(max(exo), max(eng))
+        print(f"{method}: step time EXO Gym / engine {_spread(ratio)} (per seed), CPU time a step {_spread(cpu)}; "
+              f"peak memory {memory:.2f}x; "
+              f"wall {wall:.2f}x; accuracy {100 * statistics.mean(exo):.1f}% against {100 * statistics.mean(eng):.1f}%"
+              f" ({'ranges over seeds overlap' if overlap else 'ranges over seeds do not overlap'})")
+    for r in records:
+        if "error" in r:
+            print(f"{r['framework']} {r['method']} seed {r['seed']} failed: {r['error'][-500:]}")
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.one:
+        return run_one(args)
+    if "exogym" in args.framework_list:
+        try:
+            import exogym  # noqa: F401
+        except ImportError as err:
+            print(f"exogym_compare: {EXOGYM_HOWTO} ({err})", file=sys.stderr)
+            return 2
+    print(f"exogym_compare: {args.nodes} nodes, MNIST subset, MLP 784-128-128-10, batch {args.batch} a node, "
+          f"{args.steps} steps ({args.warmup} untimed), methods {args.method_list}, seeds {args.seed_list}; "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}, "
+          f"{platform.platform()}", flush=True)
+    records = []
+    for seed in args.seed_list:
+        for method in args.method_list:
+            order = args.framework_list if seed % 2 == 0 else args.framework_list[::-1]
+            for framework in order:
+                record = _run_child(args, framework, method, seed, argv)  # (a child ignores --out)
+                records.append(record)
+                if "error" in record:
+                    print(f"  {framework} {method} seed {seed}: failed", flush=True)
+                else:
+                    print(f"  {framework} {method} seed {seed}: {1000 * record['step_s']:.1f} ms/step "
+                          f"({1000 * record['cpu_step_s']:.1f} CPU ms), peak "
+                          f"{record['peak_pss_mib']:.0f} MiB, wall {record['wall_s']:.1f} s, test acc "
+                          f"{100 * record['accuracy']:.1f}% (load {os.getloadavg()[0]:.1f})", flush=True)
+    report(records, args.method_list)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(records, indent=2) + "\n")
+        print(f"exogym_compare: wrote {args.out}")
+    return 0 if all("error" not in r for r in records) else 1
+
+
+def _linux_loopback() -> None:
+    """EXO Gym's ``init_process_group_portsafe`` sets ``GLOO_SOCKET_IFNAME=lo0``, the
+    loopback's name on macOS; Linux names it ``lo``, so there every node's gloo group
+    fails to form (and the function only prints the errors). Its trainer's reference is
+    replaced by the same steps with the interface this system has (and an error that
+    is raised)."""
+    try:
+        import exogym.trainer
+    except ImportError:
+        return
+    import socket
+
+    if "lo0" in (name for _, name in socket.if_nameindex()):
+        return
+
+    def init_process_group_portsafe(backend, rank, world_size, retries=10):
+        import torch.distributed as dist
+
+        port = int(os.environ.get("MASTER_PORT", "29500")) + 199
+        os.environ.update({"MASTER_ADDR": "localhost", "GLOO_SOCKET_IFNAME": "lo"})
+        errors = []
+        for attempt in range(retries):
+            try:
+                os.environ["MASTER_PORT"] = str(port + attempt)
+                dist.init_process_group(backend, rank=rank, world_size=world_size)
+                return
+            except Exception as err:  # noqa: BLE001 - as EXO Gym's: try the next port
+                errors.append(str(err))
+        raise RuntimeError(f"init_process_group failed {retries} times: {errors}")
+
+    exogym.trainer.init_process_group_portsafe = init_process_group_portsafe
+
+
+# Where EXO Gym is importable (its spawned nodes import this module to unpickle the
+# strategy): its strategies with the clock, and the loopback's name on Linux
+_timed_strategies()
+_linux_loopback()
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -38,15 +38,12 @@ COMMANDS = {
     "qadam-variants": ("bagua_algos.experiments.qadam_variants", "QAdam's variants trained side by side"),
     "exchange-order-benchmark": ("bagua_algos.experiments.exchange_order_benchmark",
                                  "neighbour exchanges posted in several orders against an allreduce"),
-<<<<<<< HEAD
     "lightning-benchmark": ("bagua_algos.experiments.lightning_benchmark",
                             "one LightningModule under strategy='ddp' and 'bagua' (the lightning extra)"),
     "elastic-faults": ("bagua_algos.experiments.elastic_faults",
                        "workers SIGKILLed under --max_restarts, resumed from a checkpoint (needs a checkout)"),
-=======
     "exogym-compare": ("bagua_algos.experiments.exogym_compare",
                        "EXO Gym against the one-process engine: step time, memory, accuracy (needs exogym)"),
->>>>>>> frontier
 }
 
 # an optional dependency a command imports -> the extra that installs it

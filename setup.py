@@ -57,6 +57,9 @@ setup(
     # the README's test command runs a pytest process per core.
     # one command with subcommands (bagua-algos sweep, reproduce, ...; docs/cli.md)
     entry_points={"console_scripts": ["bagua-algos = bagua_algos.experiments.cli:main"]},
-    extras_require={"lightning": ["lightning>=2.1"], "test": ["pytest", "pytest-xdist", "hypothesis", "lightning>=2.1"]},
+    # torchft: fault tolerance at the step (--torchft; docs/elastic.md). It resolves from the
+    # local index offline (pip download torchft==0.2.0 --no-deps), so the tests get it too.
+    extras_require={"lightning": ["lightning>=2.1"], "torchft": ["torchft==0.2.0"],
+                    "test": ["pytest", "pytest-xdist", "hypothesis", "lightning>=2.1", "torchft==0.2.0"]},
     **compiled_extensions(),
 )

@@ -1,4 +1,4 @@
-"""The one-process engine against the forms it replaced: ``bagua_algos.experiments.engine_benchmark``, also ``bagua-algos engine-benchmark``.
+"""The one-process engine's speed, as ratios measured in one run: ``bagua_algos.experiments.engine_benchmark``, also ``bagua-algos engine-benchmark``.
 
 A script for the repository's checkout, where the package is installed (``pip install -e .``):
 ``python benchmarks/engine_benchmark.py --help``."""

@@ -104,7 +104,7 @@ def _bucket(*tensors, name="probe", **kwargs):
 def _launch(*argv):
     """``launch.main(argv)`` in this process; its usage error comes back as SystemExit
     whose message is "[exit CODE] <the error line on stderr>"."""
-    from bagua_algos.runtime import launch
+    from bagua_algos.launcher import launch
 
     err = io.StringIO()
     try:

@@ -118,7 +118,7 @@ def stacked(world, name, kwargs, alpha=ALPHA, dtype=torch.float32):
     """On the engine: [world, d] parameters (registration order) after STEPS steps
     (``dtype``: of the model and the inputs, float64 for a comparison with an oracle)."""
     from bagua_algos.engine import Engine
-    from bagua_algos.engine.data import WorkerShares
+    from samplers import WorkerShares
 
     x, y = data()
     x, net = x.to(dtype), model().to(dtype)

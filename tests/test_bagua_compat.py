@@ -17,7 +17,7 @@ import pytest
 from subprocesses import finish, start_python
 
 from bagua_algos import compat
-from bagua_algos.runtime import launch
+from bagua_algos.launcher import launch
 
 
 @pytest.fixture

@@ -593,7 +593,7 @@ def test_backend_choice_names_the_gpu_count_before_any_cuda_call(monkeypatch, tm
 
 
 def test_launcher_backend_flag_sets_the_workers_default(monkeypatch):
-    from bagua_algos.runtime import launch
+    from bagua_algos.launcher import launch
 
     assert launch.parse_args(["--backend", "gloo", "train.py"]).backend == "gloo"
     assert launch.parse_args(["train.py"]).backend is None
@@ -609,7 +609,7 @@ def test_only_the_comm_package_calls_torch_distributed():
     import ast
 
     root = REPO / "bagua_algos"
-    allowed = {root / "runtime" / "launch.py", root / "runtime" / "launch_report.py"}
+    allowed = {root / "launcher" / "launch.py", root / "launcher" / "report.py"}
     offenders = []
     for path in root.rglob("*.py"):
         if ((root / "runtime" / "comm") in path.parents or (root / "experiments") in path.parents

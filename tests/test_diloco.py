@@ -30,7 +30,7 @@ def _oracle(sync_every, outer_lr, outer_momentum, nesterov, fragments, overlap=0
     (the paper's 0.5 when None)."""
     alpha = 0.5 if merge_alpha is None else merge_alpha
     from bagua_algos.algorithms.diloco import fragment_groups
-    from bagua_algos.engine.data import WorkerShares
+    from samplers import WorkerShares
 
     x, y = engine_cases.data()
     models = [engine_cases.model() for _ in range(N)]
@@ -92,7 +92,7 @@ def _engine(kwargs, steps=STEPS, still_first_step=False):
     step at learning rate 0 (which changes nothing with plain SGD, but counts)."""
     from bagua_algos import Algorithm
     from bagua_algos.engine import Engine
-    from bagua_algos.engine.data import WorkerShares
+    from samplers import WorkerShares
 
     kwargs = dict(kwargs)
     name = kwargs.pop("name", "diloco")

@@ -295,17 +295,17 @@ def _exists(name: str) -> bool:
 
 def test_named_code_is_found_and_judged():
     text = ("`ops.compressed_scatter_gather` and `ops.reduce_encoded_chunks`, `rank_seed(seed, rank)`, "
-            "`bagua_algos.runtime.launch_flags.FLAGS`, `launch_flags.Flag.argparse_kwargs`, "
-            "`launch_flags.Flag.no_such_method`, `ops.py`, `tensor.grad`, `torch.linalg.qr`, "
+            "`bagua_algos.launcher.flags.FLAGS`, `flags.Flag.argparse_kwargs`, "
+            "`flags.Flag.no_such_method`, `ops.py`, `tensor.grad`, `torch.linalg.qr`, "
             "`no_such_function()`, `zero_grad(set_to_none=True)`, `a 2 node(s) line`, "
             "`StackedModel.predict`, `StackedModel.no_such_member`\n```python\nops.not_judged_in_a_block\n```\n")
     named = [name for _, name in named_code(text)]
     assert named == ["ops.compressed_scatter_gather", "ops.reduce_encoded_chunks", "rank_seed()",
-                     "bagua_algos.runtime.launch_flags.FLAGS", "launch_flags.Flag.argparse_kwargs",
-                     "launch_flags.Flag.no_such_method", "no_such_function()", "zero_grad()",
+                     "bagua_algos.launcher.flags.FLAGS", "flags.Flag.argparse_kwargs",
+                     "flags.Flag.no_such_method", "no_such_function()", "zero_grad()",
                      "StackedModel.predict", "StackedModel.no_such_member"]
     assert [name for name in named if not _exists(name)] == [
-        "ops.reduce_encoded_chunks", "launch_flags.Flag.no_such_method", "no_such_function()",
+        "ops.reduce_encoded_chunks", "flags.Flag.no_such_method", "no_such_function()",
         "StackedModel.no_such_member"]
 
 

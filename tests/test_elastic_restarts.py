@@ -4,7 +4,7 @@
   restarts the workers, examples/fault_tolerance.py resumes from its last checkpoint
   and finishes, and for every family the final state equals, bit for bit, that of a
   run never killed and resumed from the same checkpoint (one launch for all families,
-  torchrun's c10d rendezvous; benchmarks/elastic_faults.py repeats it 20 times a family).
+  torchrun's c10d rendezvous; bagua-algos elastic-faults repeats it 20 times a family).
   The same for DiLoCo, plain and streaming with overlap, in a launch of their own: the
   outer model and momentum, and a fragment's averaged pseudo-gradient in flight at the
   checkpoint, survive the restart.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.elastic_faults import FAMILIES, Job, kill_and_restart, stop_launcher
+from bagua_algos.experiments.elastic_faults import FAMILIES, Job, kill_and_restart, stop_launcher
 from subprocesses import REPO, child_env, free_port
 
 ALL = [name for names in FAMILIES.values() for name in names]

@@ -14,7 +14,7 @@ import pytest
 
 from subprocesses import REPO, TIMEOUT, child_env, finish, free_port, start_python
 
-from bagua_algos.runtime import launch
+from bagua_algos.launcher import launch
 
 WORKERS = Path(__file__).resolve().parent / "launch_workers"
 
@@ -178,6 +178,7 @@ BAGUA_SPELLED = [
     "--is_output_autotune_log", "--report_metrics", "--autotune_max_samples", "60",
     "--autotune_sampling_confidence_time", "5.0", "--autotune_warmup_time", "30",
     "--default_bucket_size", "1024", "--enable_bagua_net", "--host_list", "a,b", "--ssh_port", "22",
+    "--torchft", "--lighthouse", "http://h1:29510", "--min_replicas", "2", "--join_timeout", "5",
     "train.py", "--script_flag", "1"]
 
 

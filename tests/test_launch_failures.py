@@ -16,7 +16,7 @@ import pytest
 from subprocesses import finish, start_python
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from bagua_algos.runtime import launch
+from bagua_algos.launcher import launch
 
 # Real launches per worker mode (each takes some seconds); raise it to measure.
 REPEATS = int(os.environ.get("BAGUA_TEST_LAUNCH_REPEATS", "2"))

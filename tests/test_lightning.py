@@ -300,7 +300,7 @@ def test_lightning_bagua_calls(lightning_runs):
 
 
 def test_lightning_benchmark_times_exactly_steps_after_warmup():
-    from benchmarks.lightning_benchmark import StepTimer, batches_to_run
+    from bagua_algos.experiments.lightning_benchmark import StepTimer, batches_to_run
 
     timer = StepTimer(warmup=2)
     for batch in range(batches_to_run(steps=5, warmup=2)):

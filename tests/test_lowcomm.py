@@ -66,7 +66,7 @@ def _optimizer(name, params):
 
 def _batches(steps=STEPS):
     """[N, BATCH] indices per step: each worker's share (as the engine draws them)."""
-    from bagua_algos.engine.data import WorkerShares
+    from samplers import WorkerShares
 
     _, y = engine_cases.data()
     shares = WorkerShares(y, N, engine_cases.ALPHA, engine_cases.SEED)

@@ -98,7 +98,7 @@ def test_wheel_contains_the_compat_package(repo_root, tmp_path):
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for path in ("bagua_algos/compat/__init__.py", "bagua_algos/compat/bagua/__init__.py",
-                 "bagua_algos/runtime/launch.py", "topologies/trees.py", "samplers/dirichlet.py",
+                 "bagua_algos/launcher/launch.py", "topologies/trees.py", "samplers/dirichlet.py",
                  "cuda_ext/__init__.py", "cuda_ext/csrc/householder.h", "cuda_ext/csrc/orthogonalize_kernel.cu",
                  "cuda_ext/csrc/orthogonalize_cpu.cpp", "cuda_ext/csrc/orthogonalize_cuda.cpp",
                  "cuda_ext/csrc/bindings.cpp", "cuda_ext/csrc/orthogonalize.h", "cuda_ext/csrc/orthogonalize_kernel.h"):
@@ -119,13 +119,15 @@ def test_tests_import_this_checkout(repo_root, tests_dir):
 
 def test_lightning_is_imported_by_its_strategy_module_only(repo_root):
     """Lightning is an optional dependency (the ``lightning`` extra): of the installed
-    packages only ``bagua_algos/lightning.py`` may import it."""
+    packages only ``bagua_algos/lightning.py`` may import it, and the experiment that
+    times it, which ``bagua-algos lightning-benchmark`` imports only when it runs."""
     import ast
 
+    allowed = {repo_root / "bagua_algos" / "lightning.py", repo_root / "bagua_algos" / "experiments" / "lightning_benchmark.py"}
     offenders = []
     for package in ("bagua_algos", "topologies", "samplers", "cuda_ext"):
         for path in (repo_root / package).rglob("*.py"):
-            if path == repo_root / "bagua_algos" / "lightning.py":
+            if path in allowed:
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
                 names = ([a.name for a in node.names] if isinstance(node, ast.Import) else

@@ -31,7 +31,7 @@ def _set(model, vector) -> None:
 
 def _batches(steps=STEPS, n=N, alpha=engine_cases.ALPHA):
     """[n, BATCH] indices per step: each worker's share (as the engine draws them)."""
-    from bagua_algos.engine.data import WorkerShares
+    from samplers import WorkerShares
 
     _, y = engine_cases.data()
     shares = WorkerShares(y, n, alpha, engine_cases.SEED)

@@ -25,7 +25,8 @@ COMMANDS = {
     "network-sweep": ("bagua_algos.experiments.network_sweep",
                       "the synthetic benchmark over emulated networks at several rates (root, Linux)"),
     "engine-benchmark": ("bagua_algos.experiments.engine_benchmark",
-                         "the one-process engine against the forms it replaced"),
+                         "the one-process engine's speed: stacking, its hooks' share of a step, "
+                         "the sweep against processes"),
     "bagua-synthetic": ("bagua_algos.experiments.bagua_synthetic", "Bagua's synthetic benchmark, flag for flag"),
     "netem": ("bagua_algos.experiments.netem", "run a job over an emulated network (root, Linux)"),
     "powersgd-benchmark": ("bagua_algos.experiments.powersgd_benchmark",
@@ -37,9 +38,16 @@ COMMANDS = {
     "qadam-variants": ("bagua_algos.experiments.qadam_variants", "QAdam's variants trained side by side"),
     "exchange-order-benchmark": ("bagua_algos.experiments.exchange_order_benchmark",
                                  "neighbour exchanges posted in several orders against an allreduce"),
+    "lightning-benchmark": ("bagua_algos.experiments.lightning_benchmark",
+                            "one LightningModule under strategy='ddp' and 'bagua' (the lightning extra)"),
+    "elastic-faults": ("bagua_algos.experiments.elastic_faults",
+                       "workers SIGKILLed under --max_restarts, resumed from a checkpoint (needs a checkout)"),
     "exogym-compare": ("bagua_algos.experiments.exogym_compare",
                        "EXO Gym against the one-process engine: step time, memory, accuracy (needs exogym)"),
 }
+
+# an optional dependency a command imports -> the extra that installs it
+EXTRAS = {"lightning": "lightning"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +72,13 @@ def main(argv=None) -> int:
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         parser.error(f"argument COMMAND: invalid choice: {name!r} (choose from {', '.join(COMMANDS)})")
-    module = importlib.import_module(COMMANDS[name][0])
+    try:
+        module = importlib.import_module(COMMANDS[name][0])
+    except ModuleNotFoundError as err:
+        if err.name not in EXTRAS:
+            raise
+        parser.exit(2, f"bagua-algos {name}: needs {err.name}, which is not installed "
+                       f"(pip install 'bagua-algos[{EXTRAS[err.name]}]')\n")
     code = module.main(rest)
     return code if isinstance(code, int) else 0
 

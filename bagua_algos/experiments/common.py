@@ -324,7 +324,7 @@ def launch_self(module: str, nproc: int, argv: list[str], command_env: str) -> N
     process's own environment is as before once the launcher returns (or exits). A
     module, not a file: the workers import it from the installed package, wherever it
     lives."""
-    from bagua_algos.runtime import launch
+    from bagua_algos.launcher import launch
 
     before = dict(os.environ)
     try:

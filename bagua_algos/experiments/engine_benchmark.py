@@ -1,4 +1,4 @@
-"""The one-process engine's speed and memory, as ratios measured in one run.
+"""The one-process engine's speed, as ratios measured in one run.
 
     python benchmarks/engine_benchmark.py batching            # n workers at b vs one model at n·b
     python benchmarks/engine_benchmark.py comm --workers 64   # the communication step's share

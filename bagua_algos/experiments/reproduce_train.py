@@ -28,7 +28,7 @@ import torch
 
 from bagua_algos.algorithms.table import AlgorithmConfig
 from bagua_algos.engine import Engine
-from bagua_algos.engine.data import WorkerShares
+from samplers import WorkerShares
 from bagua_algos.experiments.protocol import PROTOCOLS, Protocol, tail_accuracy
 from bagua_algos.experiments.training import StackedWorkers, train_epochs
 

@@ -8,7 +8,7 @@ launcher::
         --model mlp --batch-size 32 --steps 20 --warmup 5 --configs "ddp;gradient_allreduce"
 
 or let it start the launcher itself (``--spawn N`` re-invokes this script through
-``bagua_algos.runtime.launch.main`` on a free port)::
+``bagua_algos.launcher.launch.main`` on a free port)::
 
     python benchmarks/synthetic_benchmark.py --spawn 4 --configs "ddp;gradient_allreduce"
 

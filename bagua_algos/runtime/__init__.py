@@ -1,4 +1,4 @@
-"""Bagua's contract (algorithms, hooks, tensors, buckets, communication, launcher) on
+"""Bagua's contract (algorithms, hooks, tensors, buckets, communication) on
 torch.distributed."""
 
 from . import comm

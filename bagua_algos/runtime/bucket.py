@@ -230,8 +230,10 @@ class BaguaBucket:
 
     # --- flat access (for ops and for algorithms that work on whole buckets) ----------
     def flat_view(self) -> torch.Tensor:
-        """The effective tensors as one 1-D tensor: ``backend_tensor`` itself when the
-        bucket is flattened (writing to it writes the tensors), else a packed copy."""
+        """The effective tensors as one flat tensor, ``[numel]`` in a job and ``[n, numel]``
+        on the one-process engine (a row per worker: the ``[W, L]`` the algorithms are
+        written for): ``backend_tensor`` itself when the bucket is flattened (writing to
+        it writes the tensors), else a packed copy."""
         if self.flatten:
             self._before_ops()
             return self.backend_tensor

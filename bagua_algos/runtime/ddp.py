@@ -79,7 +79,13 @@ class BaguaDistributedDataParallel:
         self._post_backward_queued = False
         self._framework_hooks: list = []
         self._algorithm_hooks: list = []
-        self._bagua_init_algorithm()
+        # Under torchft a replica's state comes from healing, not from a broadcast.
+        self._bagua_init_algorithm(broadcast=not comm.fault_tolerance.active())
+        self.fault_tolerance = None
+        if comm.fault_tolerance.active():
+            from .fault_tolerant_step import FaultTolerantStep
+
+            self.fault_tolerance = FaultTolerantStep(self)
         self._register_framework_hooks()
 
     # --- Bagua's set-up -------------------------------------------------------------
@@ -98,9 +104,10 @@ class BaguaDistributedDataParallel:
             params.append((name, param))
         return params
 
-    def _bagua_init_algorithm(self) -> None:
+    def _bagua_init_algorithm(self, broadcast: bool = True) -> None:
         self._bagua_backend.wait_pending_comm_ops()
-        self._bagua_broadcast_parameters()
+        if broadcast:
+            self._bagua_broadcast_parameters()
         impl = self.bagua_algorithm
         tensors = impl.init_tensors(self)
         suggestion = split_into_buckets(tensors, bucket_size=self.bucket_size)
@@ -164,9 +171,11 @@ class BaguaDistributedDataParallel:
         if not module.training:
             return
         self._check_unchanged()
+        if self.fault_tolerance is not None and self.require_backward_grad_sync:
+            self.fault_tolerance.begin_step()  # the step's quorum; a rebuild if it changed
         self.bagua_train_step_counter += 1
         if self.bagua_algorithm.need_reset():
-            self._bagua_init_algorithm()
+            self._bagua_init_algorithm(broadcast=self.fault_tolerance is None)
         if self.broadcast_buffers is True or (self.broadcast_buffers == "first_step" and self.bagua_train_step_counter == 1):
             self._broadcast_buffers_now()
         if self.require_backward_grad_sync:
@@ -206,6 +215,8 @@ class BaguaDistributedDataParallel:
         detach on every worker then, as the round that carries the stop is collective."""
         self.bagua_algorithm.on_detach(self)
         self._bagua_backend.wait_pending_comm_ops()
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.detach()
         for handle in self._framework_hooks + self._algorithm_hooks:
             handle.remove()
         self._framework_hooks, self._algorithm_hooks = [], []
@@ -412,6 +423,10 @@ def with_bagua(
             stacklevel=2,
         )
 
+    if comm.fault_tolerance.active():
+        from .fault_tolerant_step import check_supported
+
+        check_supported(algorithm, optimizers, process_group)
     impl = algorithm.reify(process_group)
     if impl.needs_optimizer_step and not optimizers:
         raise ValueError(

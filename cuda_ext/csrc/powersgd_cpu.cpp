@@ -11,7 +11,8 @@
 // a row of A (or U) is made and used while it is in the L1 cache, so the gradients'
 // size crosses the memory bus as often as the formula needs: forming reads G and E and
 // writes E; the update reads E and writes E and G. The step is memory-bound on one
-// thread (issue 27 in docs/benchmarks.md), so fewer passes are the speed-up.
+// thread (its time follows its passes over the gradients' size, not its arithmetic), so
+// fewer passes are the speed-up.
 //
 // A sum over k runs in 8 (float) or 4 (double) vector lanes, the lanes added at the end
 // of the row; a sum over the columns j runs in order. So results match torch's products
@@ -24,10 +25,11 @@
 // rows 8 at a time through blocks of columns, each block of Q^T kept in L1 (MKL's GEMM
 // with A transposed and so few columns runs well below the memory's speed).
 //
-// Measured (one thread, ResNet-18's 21 matrices, docs/benchmarks.md issue 27): forming
-// is faster than torch's add + product up to r = 16 (equal at 32), the update up to r = 8
-// (above it each sweep after the first reads G again), the transposed product at every
-// rank measured (1 to 32); powersgd.py takes each where it is faster.
+// Measured (one thread, ResNet-18's 21 matrices): forming is faster than torch's add +
+// product up to r = 16 (equal at 32), the update up to r = 8 (above it each sweep after
+// the first reads G again), the transposed product at every rank measured (1 to 32);
+// powersgd.py takes each where it is faster (FUSED_FORM_MAX_RANK, FUSED_UPDATE_MAX_RANK,
+// FUSED_Q_MAX_RANK).
 #include "powersgd_cpu.h"
 #include "vectors.h"
 

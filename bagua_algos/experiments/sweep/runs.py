@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from bagua_algos.engine import Engine, refusal
-from bagua_algos.engine.data import WorkerShares
+from samplers import WorkerShares
 from bagua_algos.experiments.data import build_model, load_data
 from bagua_algos.experiments.protocol import tail_accuracy
 from bagua_algos.experiments.sweep.report import config_label, write_report

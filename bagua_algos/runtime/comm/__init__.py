@@ -101,6 +101,7 @@ from .checks import _as_communicator  # noqa: F401 - for tests and Bagua's priva
 from .collectives import (allgather, allgather_inplace, allreduce, allreduce_inplace, alltoall, alltoall_inplace,
                           alltoall_v, alltoall_v_inplace, barrier, broadcast, gather, gather_inplace, recv, reduce,
                           reduce_inplace, reduce_scatter, reduce_scatter_inplace, scatter, scatter_inplace, send)
+from . import fault_tolerance  # noqa: F401 - comm.fault_tolerance: torchft replicas (opt-in)
 from .counter import bytes_sent, reset_bytes_sent
 from .env import get_local_rank, get_local_size, get_node_rank, get_rank, get_world_size, is_initialized
 from .groups import (DEFAULT_TIMEOUT, BaguaCommunicator, BaguaProcessGroup, _get_default_group, _state,  # noqa: F401

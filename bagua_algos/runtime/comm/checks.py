@@ -8,7 +8,8 @@ import torch
 
 from ...arguments import check_int, is_int
 from .env import _require_init
-from .groups import BaguaCommunicator, _as_communicator
+from .fault_tolerance import _ft
+from .groups import _NON_MEMBER, BaguaCommunicator, _as_communicator
 from .reduce_op import _BITWISE_OPS, ReduceOp
 
 
@@ -23,6 +24,8 @@ def _target(comm, group, what: str) -> tuple[BaguaCommunicator, str]:
     _require_init(f"{what}()")
     if comm is not None and group is not None:
         raise ValueError(f"{what}(): pass comm= or group=, not both")
+    if _ft["errored"] is not None:  # under torchft, a step whose collective failed skips the rest
+        return BaguaCommunicator(_NON_MEMBER, [], "skipped"), GLOBAL_RANKS
     if group is not None:
         return _as_communicator(group), GLOBAL_RANKS
     return _as_communicator(comm), COMMUNICATOR_RANKS

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .fault_tolerance import _ft, report_error
+
 class CommHandle:
     """A pending communication; ``wait()`` blocks until it is done and runs the finishers.
 
@@ -19,7 +21,15 @@ class CommHandle:
         if self._done:
             return
         for work in self._works:
-            work.wait()
+            if _ft["manager"] is None:
+                work.wait()
+                continue
+            try:  # under torchft a failed collective discards the step instead of raising
+                work.wait()
+            except Exception as exc:  # noqa: BLE001 - reported; should_commit() says False everywhere
+                report_error(exc)
+                self._done = True
+                return
         for finish in self._finishers:
             finish()
         self._done = True

@@ -75,6 +75,7 @@ def init_process_group(
     backend: str | None = None,
     timeout: timedelta | float | None = None,
     init_timeout: timedelta | float | None = None,
+    fault_tolerance: str | None = None,
 ) -> None:
     """Join the job's process group, like Bagua 0.9's
     ``init_process_group(store=None, rank=-1, world_size=-1, local_world_size=-1)``.
@@ -99,7 +100,29 @@ def init_process_group(
     the group is formed in a namespace of the store that belongs to this round alone
     (bagua_algos/runtime/comm/rounds.py: the store outlives restarts, and a restarted
     round would otherwise read the keys of the round before; pytorch/pytorch#135712).
+
+    ``fault_tolerance="torchft"`` (default ``$BAGUA_ALGOS_FAULT_TOLERANCE``, which the
+    launcher's ``--torchft`` sets) makes this process a torchft replica instead: no
+    rendezvous here; the group is formed over each step's quorum (comm/fault_tolerance.py,
+    docs/elastic.md). Only the gloo backend is supported then.
     """
+    from . import fault_tolerance as _fault_tolerance
+
+    if _fault_tolerance.requested(fault_tolerance) == "torchft":
+        if isinstance(store, str):
+            backend, store = store, None
+        if is_initialized():
+            raise RuntimeError("init_process_group() was called twice in this process")
+        if choose_backend(backend, 1) != "gloo":
+            raise ValueError("fault_tolerance='torchft' runs over gloo here: pass backend='gloo' "
+                             f"(or {BACKEND_ENV}=gloo, the launcher's --backend gloo)")
+        timeout = DEFAULT_TIMEOUT if timeout is None else _as_timedelta(timeout)
+        _fault_tolerance.init(timeout)
+        _owner["joined"] = True
+        if not _owner["atexit"]:
+            atexit.register(_destroy_at_exit)
+            _owner["atexit"] = True
+        return
     if isinstance(store, str):  # the old positional order began with the backend
         backend, store = store, None
     if is_initialized():
@@ -198,6 +221,9 @@ def _job_layout(store, rank, world_size, local_world_size) -> tuple[int, int, in
 def destroy_process_group() -> None:
     """Leave the job: stop the helper thread, destroy every group (collective-free)."""
     _stop_helper(job_timeout().total_seconds() + 5)
+    from .fault_tolerance import shutdown as _shutdown_fault_tolerance
+
+    _shutdown_fault_tolerance()
     _joined(None)
     _owner["joined"] = False
     if is_initialized():

@@ -1,9 +1,9 @@
 """The launcher's flags as data: each flag's names, value type, default, help, and
 where it goes on the ``torch.distributed.run`` (torchrun) command line (``FLAGS``).
 
-:mod:`bagua_algos.runtime.launch` builds its parser from ``FLAGS`` and translates
+:mod:`bagua_algos.launcher.launch` builds its parser from ``FLAGS`` and translates
 the parsed flags into torchrun's argument list in one function
-(:func:`bagua_algos.runtime.launch.torchrun_argv`), by each flag's ``torchrun``
+(:func:`bagua_algos.launcher.launch.torchrun_argv`), by each flag's ``torchrun``
 entry. The value parsers here are argparse ``type=`` functions: an
 ``ArgumentTypeError`` becomes "argument --flag: <message>", naming the flag as it
 was typed.
@@ -249,6 +249,7 @@ IGNORED = None             # accepted and without effect
 PER_ENTRY = object()  # a default that differs between the entry points (ENTRY_DEFAULTS)
 
 RENDEZVOUS_GROUP = "rendezvous (how the nodes find each other)"
+TORCHFT_GROUP = "fault tolerance at the step (torchft)"
 BAGUA_GROUP = "Bagua's service flags (accepted for compatibility and ignored, with one warning)"
 
 
@@ -371,6 +372,19 @@ FLAGS: Tuple[Flag, ...] = (
          "over NCCL, CPU tensors over gloo) and needs a GPU per worker; gloo runs on CPU "
          "(CUDA tensors staged through host memory); auto (the default) is nccl when CUDA "
          "is available, else gloo"),
+    Flag(("--torchft",), ENV, switch=True, group=TORCHFT_GROUP,
+         help="fault tolerance at the step on torchft (pip install 'bagua-algos[torchft]'): each worker is a "
+              "replica; a worker that dies or hangs is dropped from the quorum and the others go on; its "
+              "step is discarded everywhere (docs/elastic.md). Starts a lighthouse unless --lighthouse"),
+    Flag(("--lighthouse",), ENV, type=str, group=TORCHFT_GROUP,
+         help="with --torchft: join the torchft lighthouse at this address (http://HOST:PORT) instead of "
+              "starting one"),
+    Flag(("--min_replicas",), ENV, type=int, default=1, group=TORCHFT_GROUP,
+         help="with --torchft: the fewest replicas a step may commit with, and the lighthouse's quorum "
+              "minimum (default 1)"),
+    Flag(("--join_timeout",), ENV, type=_positive_seconds, default=10.0, group=TORCHFT_GROUP,
+         help="with --torchft: seconds the lighthouse it starts waits for more replicas before a quorum "
+              "without them (default 10)"),
     Flag(("--no_bagua_compat",), ENV, switch=True,
          help="do not put the compatibility package 'bagua' on the "
          "workers' PYTHONPATH (by default it is put there when no real "

@@ -23,7 +23,7 @@ Bagua namesakes had (``ENTRY_DEFAULTS``): ``bagua_algos.launch`` and
 ``bagua.distributed.run`` started ``auto`` workers (a GPU each, else a CPU core
 each), restarted up to 3 times and looked at its workers every 5 s.
 
-The flags are data (:data:`bagua_algos.runtime.launch_flags.FLAGS`): each row gives
+The flags are data (:data:`bagua_algos.launcher.flags.FLAGS`): each row gives
 a flag's names, value type, default, help and where it goes on torchrun's command line,
 and :func:`torchrun_argv` translates by those rows alone. Every flag is also accepted in
 torchrun's spelling (``--nproc-per-node``). Bagua's service flags (autotune, Bagua-Net,
@@ -44,7 +44,7 @@ timeout, a closed rendezvous, a store wait that timed out) ends the launcher wit
 line naming the flag that configures it (``rendezvous_failure``), exit status 1.
 
 When a job fails, one line on stderr names the worker that failed first and how, and
-the launcher exits with its status (:mod:`bagua_algos.runtime.launch_report`).
+the launcher exits with its status (:mod:`bagua_algos.launcher.report`).
 
 Bagua scripts: unless ``--no_bagua_compat`` is given, and only when no real Bagua
 is importable, the directory of the compatibility package ``bagua``
@@ -61,13 +61,13 @@ import shutil
 import sys
 from typing import List, Optional, Sequence
 
-from bagua_algos.runtime.bucket import BUCKET_SIZE_ENV
-from bagua_algos.runtime.launch_flags import (BAGUA_ONLY_FLAGS, CONF, ENTRY_DEFAULTS, FLAGS, LOGS, PROG,
-                                              RDZV_CONF_KEYS, RDZV_TIMEOUT_KEY, RENDEZVOUS, RUN_PROG, SAME,
-                                              SCRIPT, SHARE_STORE_ENV, STATIC, _dest, nnodes_text, rdzv_conf,
-                                              rendezvous_backend, split_endpoint, torchrun_spelling)
+from bagua_algos.launcher.flags import (BAGUA_ONLY_FLAGS, CONF, ENTRY_DEFAULTS, FLAGS, LOGS, PROG,
+                                        RDZV_CONF_KEYS, RDZV_TIMEOUT_KEY, RENDEZVOUS, RUN_PROG, SAME,
+                                        SCRIPT, SHARE_STORE_ENV, STATIC, _dest, nnodes_text, rdzv_conf,
+                                        rendezvous_backend, split_endpoint, torchrun_spelling)
 # the failure report (first_failure and _failure_summary are also read through this module)
-from bagua_algos.runtime.launch_report import failure_summary, first_failure, rendezvous_failure  # noqa: F401
+from bagua_algos.launcher.report import failure_summary, first_failure, rendezvous_failure  # noqa: F401
+from bagua_algos.runtime.bucket import BUCKET_SIZE_ENV
 
 _failure_summary = failure_summary
 
@@ -345,6 +345,10 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> None:
     if warning:
         print(warning, file=sys.stderr, flush=True)
 
+    if args.torchft:  # replicas of torchft, not torchrun's agent (a lost worker must not stop the others)
+        from .replicas import run_replicas
+
+        sys.exit(run_replicas(args, prog))
     import torch.distributed as dist
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException

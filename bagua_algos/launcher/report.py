@@ -9,9 +9,9 @@ import argparse
 import os
 import signal
 
-from bagua_algos.runtime.launch_flags import (C10D_DEFAULTS, LATE_JOIN_ISSUE, PROG, SHARE_STORE_ENV,
-                                              STATIC_DEFAULT_TIMEOUT, nnodes_text, rdzv_conf,
-                                              rendezvous_backend)
+from bagua_algos.launcher.flags import (C10D_DEFAULTS, LATE_JOIN_ISSUE, PROG, SHARE_STORE_ENV,
+                                        STATIC_DEFAULT_TIMEOUT, nnodes_text, rdzv_conf, rendezvous_backend)
+
 
 def first_failure(failures) -> int:
     """The global rank whose failure started the job's end, from ChildFailedError.failures.

@@ -1,4 +1,5 @@
-"""Every worker's batches, as each rank draws them.
+"""Every worker's batches, as each rank draws them, in one process (the one-process
+engine's data, ``bagua_algos.engine``: docs/engine.md, "Data").
 
 Worker i's share is rank i's :class:`samplers.DistributedHeterogeneousSampler` share
 (the same Dirichlet partition for the same seed, the same order per epoch) and its
@@ -15,7 +16,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from samplers import DistributedHeterogeneousSampler
+from .heterogeneous import DistributedHeterogeneousSampler
 
 __all__ = ["WorkerShares"]
 

@@ -129,6 +129,11 @@ def test_lowcomm_frontier_puts_the_methods_at_equal_measured_bytes(tmp_path, cap
                     "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert "SparseLoCo" in out and "DiLoCo" in out and "budget 1/20" in out
+    # each task's header: the rates each row tunes over (no default rate), what each task reports
+    assert "peak lr" not in out and out.count("lr: tuned per row on seed 0 over") == 2
+    assert "reports: the workers' own models' test accuracy" in out
+    assert "reports: the workers' own models' validation loss" in out
+    assert "workers' val next-char acc" in out and "workers' test acc" in out
     with open(tmp_path / "lowcomm-frontier.csv") as f:
         rows = list(csv.DictReader(f))
     budgets = [f"1/{k}" for k in lowcomm_frontier.BUDGETS]

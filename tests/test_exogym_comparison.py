@@ -21,6 +21,7 @@ def test_without_exogym_the_command_says_how_to_get_it(monkeypatch, capsys):
     (["--frameworks", "horovod"], "argument --frameworks"),
     (["--steps", "5", "--warmup", "5"], "argument --warmup"),
     (["--seeds", "a"], "argument --seeds"),
+    (["--adamw", "lion"], "argument --adamw"),
 ])
 def test_bad_input_is_refused(argv, names, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -226,12 +226,21 @@ def _demo_oracle(chunk=64, topk=32, decay=0.999):
 
 
 def _sparta_places(size, fraction, seed, names, generator):
-    """The same places on every copy: the first k of a permutation drawn from a generator
-    seeded from (seed, the bucket's tensor names) (the module's rule)."""
+    """The same places on every copy, from a generator seeded from (seed, the bucket's
+    tensor names) (the module's rule): where 8k <= size, the first k distinct values of
+    batches of k + k²//size + 8 uniform draws (read one by one here), ascending; else the
+    first k of a permutation."""
     if generator[0] is None:
         generator[0] = torch.Generator().manual_seed((seed * 0x9E3779B1 + zlib.crc32(names.encode())) % 2**63)
     k = min(size, max(1, round(fraction * size)))
-    return torch.randperm(size, generator=generator[0])[:k].sort().values
+    if 8 * k > size:
+        return torch.randperm(size, generator=generator[0])[:k].sort().values
+    picked = []
+    while len(picked) < k:
+        for value in torch.randint(size, (k + k * k // size + 8,), generator=generator[0]).tolist():
+            if value not in picked and len(picked) < k:
+                picked.append(value)
+    return torch.tensor(sorted(picked))
 
 
 def _sparta_oracle(fraction, seed=0, sync_every=None):
@@ -416,6 +425,35 @@ def test_the_bytes_a_worker_sends_are_its_message(per_rank, engine_runs, label, 
     assert engine_runs[label][1] == expected, label
     d = sum(p.numel() for p in _model().parameters())
     assert sum(expected) < STEPS * 4 * d / 2  # a fraction of what averaging every step would send
+
+
+@pytest.mark.parametrize("numel,k", [(16, 2), (6, 3)])  # the draws' path (8k <= numel), the permutation's
+def test_sparta_places_are_a_uniform_subset(numel, k):
+    """Every k-subset of a small bucket about equally often (each expects 100 of the
+    draws; 5 sigma either side), k distinct places, ascending."""
+    from bagua_algos.algorithms.sparta import sparta_places
+
+    generator = torch.Generator().manual_seed(0)
+    subsets = math.comb(numel, k)
+    counts = {}
+    for _ in range(100 * subsets):
+        places = sparta_places(numel, k, generator)
+        assert places.dtype == torch.int64 and len(places) == k
+        assert (places.diff() > 0).all() and 0 <= places.min() and places.max() < numel
+        counts[tuple(places.tolist())] = counts.get(tuple(places.tolist()), 0) + 1
+    assert len(counts) == subsets
+    assert all(abs(c - 100) < 5 * math.sqrt(100) for c in counts.values()), counts
+
+
+def test_sparta_places_of_a_large_bucket_are_distinct_and_cover_it():
+    """10**7 places, k = 5000 (the default fraction): k distinct, spread over the whole range."""
+    from bagua_algos.algorithms.sparta import sparta_places
+
+    places = sparta_places(10**7, 5000, torch.Generator().manual_seed(1))
+    assert len(places) == 5000 == len(places.unique())
+    assert places.min() < 10**5 and places.max() > 10**7 - 10**5
+    # a tenth of the range holds about a tenth of the places (500 expected, sd ~21)
+    assert abs(int((places < 10**6).sum()) - 500) < 110
 
 
 def test_sparseloco_sends_about_a_percent_of_the_pseudo_gradient_at_the_defaults():

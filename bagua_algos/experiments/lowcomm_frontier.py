@@ -350,6 +350,30 @@ def _cell(values, scale: float = 100.0, digits: int = 1, unit: str = "%") -> str
     return f"{scale * mean:.{digits}f}{unit} [{scale * low:.{digits}f}, {scale * high:.{digits}f}]"
 
 
+def setting_text(setting: rt.Setting) -> str:
+    """The task's setting without a learning rate or a protocol (each row has its own
+    rate and :func:`protocol_of`)."""
+    data = "IID" if setting.alpha is None else f"Dirichlet alpha={setting.alpha:g}"
+    return (f"{setting.dataset}, {setting.model}, {setting.workers} workers x batch {setting.batch} ({data}), "
+            f"{setting.epochs} epochs")
+
+
+def protocol_text(protocol: Protocol, epochs: int) -> str:
+    """The protocol's optimizer and schedule (what is reported: :func:`reported_text`)."""
+    return protocol.describe(epochs).rsplit("; reports ", 1)[0]
+
+
+def reported_text(task: Task) -> str:
+    """What the rows report and the tuning ranks (:meth:`Result.score`)."""
+    if task.text:
+        from bagua_algos.experiments.text import VALIDATION_SHARE
+
+        return ("the workers' own models' validation loss (next-character cross-entropy over the last "
+                f"{100 * VALIDATION_SHARE:g} % of the corpus), mean over workers, last epoch (tuned on it), "
+                "and their next-character accuracy on the same windows")
+    return "the workers' own models' test accuracy, mean over workers, last epoch (tuned on it)"
+
+
 def run_task(ctx, task: Task) -> list[dict]:
     """One task: the knobs, their measured bytes, every row trained; the table and the
     CSV records."""
@@ -361,10 +385,13 @@ def run_task(ctx, task: Task) -> list[dict]:
     torch.manual_seed(0)
     d = sum(p.numel() for p in make_model(spec).parameters())
     steps = rt.steps_per_epoch(setting, len(data.train_y))
-    print(f"\n-- task {task.name}: {setting.describe()}; {d} parameters; {steps} steps an epoch, "
+    print(f"\n-- task {task.name}: {setting_text(setting)}; {d} parameters; {steps} steps an epoch, "
           f"{steps * setting.epochs} in all")
-    print(f"   protocol of every row but DeMo: {DILOCO_PROTOCOL.describe(setting.epochs)}")
-    print(f"   DeMo's: {DEMO_PROTOCOL.describe(setting.epochs)}")
+    print(f"   lr: tuned per row on seed {ctx.seeds[0]} over {list(task.lr_grid)} (the peak of the schedule; "
+          f"each row's below)")
+    print(f"   protocol of every row but DeMo: {protocol_text(DILOCO_PROTOCOL, setting.epochs)}")
+    print(f"   DeMo's: {protocol_text(DEMO_PROTOCOL, setting.epochs)}")
+    print(f"   reports: {reported_text(task)}")
     # the budgets, from the allreduce's measured bytes; every row's knobs; then their own bytes measured
     allreduce_config = _config(BASELINE, "gradient_allreduce")
     probe = measure_bytes(spec, [allreduce_config])
@@ -413,7 +440,7 @@ def run_task(ctx, task: Task) -> list[dict]:
     columns = ["budget", "method", "knobs", "bytes/step", "x budget"]
     if task.text:
         columns.append("val loss (workers, mean [min, max] over seeds)")
-    columns += ["workers' acc (mean [min, max])", "lr", ""]
+    columns += [f"workers' {'val next-char' if task.text else 'test'} acc (mean [min, max])", "lr", ""]
     print()
     print_table(columns, table)
     verdicts(task, records)

@@ -42,6 +42,7 @@ __all__ = ["TextData", "load_text", "corpus", "CharTransformer", "TextWorkers", 
 
 CONTEXT = 64
 VALIDATION_SHARE = 0.1
+EVAL_CHUNK = 256  # validation windows a vmapped forward takes at once (read when a TextWorkers is built)
 
 
 def corpus() -> str:
@@ -149,9 +150,9 @@ class TextWorkers(StackedWorkers):
     the averaged model's, keeping the validation losses in ``last_loss`` (``workers``:
     every worker's, ``averaged``: the averaged model's)."""
 
-    def __init__(self, engine, data, batches, eval_chunk: int = 256):
+    def __init__(self, engine, data, batches, eval_chunk: int | None = None):
         super().__init__(engine, data, batches, batched_average=True)
-        self.eval_chunk = eval_chunk
+        self.eval_chunk = EVAL_CHUNK if eval_chunk is None else eval_chunk
         self.last_loss: dict = {}
 
     def step(self, index):

@@ -8,8 +8,6 @@ quote row by row (a ``Row``'s ``seed``) stay with their experiment."""
 from __future__ import annotations
 
 
-
-
 # Seed 001 Table 10: parameter -> (matrix shape, compression x r). And Table 11 (the LSTM).
 TABLE_10 = {
     "layer4.1.conv2": ((512, 4608), 461), "layer4.0.conv2": ((512, 4608), 461),
@@ -70,7 +68,9 @@ THESIS_A = {
                     0.05: (0.8781, 0.8763, 0.8798), 0.075: (0.8850, 0.8881, 0.8792),
                     0.1: (0.8872, 0.1000, 0.8866)},
 }
+# the Dirichlet alphas of the tables' columns (seed 002's Tables A, the RelaySum paper's Table 2)
 ALPHAS = (1.0, 0.1, 0.01)
+# the thesis's learning-rate grid: the rows of Tables A.1-A.3
 LR_GRID = (0.01, 0.025, 0.05, 0.075, 0.1)
 
 

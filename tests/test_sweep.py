@@ -82,6 +82,8 @@ def test_both_engines_give_the_same_table(tmp_path):
         reports[engine] = json.loads((tmp_path / engine / "results.json").read_text())
     sim, processes = (reports[e]["results"][0] for e in ("sim", "processes"))
     assert reports["sim"]["engine"] == "sim" and reports["processes"]["engine"] == "processes"
+    # the worker processes write the report: their settings are the parent's --workers, not its default
+    assert [(r["world_size"], r["settings"]["workers"]) for r in reports.values()] == [(4, 4), (4, 4)]
     assert reports["sim"]["settings"]["protocol"] == reports["processes"]["settings"]["protocol"]
     assert reports["sim"]["settings"]["protocol"]["nesterov"] is True
     # float32 sums in another order may flip at most a prediction or two of the 360 test images

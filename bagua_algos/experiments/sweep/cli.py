@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 
 from bagua_algos.experiments.common import launch_self, launched_worker, without_flag
@@ -180,8 +181,8 @@ def configure(argv=None, in_worker: bool = False):
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if in_worker:
-            return config_from_arguments(args, engine="processes"), None
+        if in_worker:  # launched without --workers: the job's world size is the number of workers
+            return config_from_arguments(args, engine="processes", workers=int(os.environ["WORLD_SIZE"])), None
         config = choose_engine(parser, config_from_arguments(args))
         jobs_given = config.jobs is not None  # check_memory may lower a chosen number, never a given one
         config = choose_jobs(config)

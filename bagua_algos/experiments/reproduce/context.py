@@ -45,7 +45,7 @@ class Context:
         e = self.experiment
         print(f"== {e.name}: {e.source} -- {e.summary}")
         print(f"   seed's setting: {seed_text}")
-        print(f"   ours ({self.scale} scale, {self.device}, {_device_name(self.device)}): {ours}")
+        print(f"   ours ({self.scale} scale, {self.device}, {describe_device(self.device)}): {ours}")
         print(f"   differs: {differs if self.scale == 'proxy' else 'seed scale: ' + e.seed_scale_differs}")
 
     def write_csv(self, rows: list[dict]) -> Path:
@@ -58,7 +58,9 @@ class Context:
         return path
 
 
-def _device_name(device) -> str:
+def describe_device(device) -> str:
+    """The device as the headers and figures name it: the GPU's name, or the CPU's cores
+    and torch's threads."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"

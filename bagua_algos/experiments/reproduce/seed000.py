@@ -9,7 +9,7 @@ import torch
 
 from bagua_algos.experiments import reproduce_train as rt
 from bagua_algos.experiments.reproduce.compare import compare
-from bagua_algos.experiments.reproduce.context import _device_name
+from bagua_algos.experiments.reproduce.context import describe_device
 from bagua_algos.experiments.reproduce.output import plot_curves, plot_xy, print_table
 from bagua_algos.experiments.reproduce.published import THESIS_TABLE_4_1
 from bagua_algos.experiments.reproduce.rows import Row
@@ -76,7 +76,7 @@ def seed000_fig4_1(ctx):
                                              "SGD step": [r["sgd_ms"] for r in rows],
                                              "Gram-Schmidt compression": [r["compress_gram_schmidt_ms"] for r in rows],
                                              "QR compression": [r["compress_qr_ms"] for r in rows]},
-            "rank", "ms", f"Figure 4.1 ({ctx.scale}): {_device_name(ctx.device)}")
+            "rank", "ms", f"Figure 4.1 ({ctx.scale}): {describe_device(ctx.device)}")
     print(f"   wrote {ctx.path('.png')}")
 
 
@@ -120,7 +120,7 @@ def seed000_fig4_2(ctx):
     print(f"\n   wrote {ctx.write_csv(rows)}")
     plot_xy(ctx.path(".png"), list(batches), {"forward": [r["forward_ms"] for r in rows],
                                                "backward": [r["backward_ms"] for r in rows]},
-            "batch size", "ms", f"Figure 4.2 ({ctx.scale}): {model_name}, {_device_name(ctx.device)}")
+            "batch size", "ms", f"Figure 4.2 ({ctx.scale}): {model_name}, {describe_device(ctx.device)}")
     print(f"   wrote {ctx.path('.png')}")
 
 

@@ -4,7 +4,7 @@ engine's data, ``bagua_algos.engine``: docs/engine.md, "Data").
 Worker i's share is rank i's :class:`samplers.DistributedHeterogeneousSampler` share
 (the same Dirichlet partition for the same seed, the same order per epoch) and its
 batches are a ``DataLoader``'s over that sampler (consecutive runs of ``batch_size``,
-the last one shorter, unless ``drop_last``). The shares are equal in length (the sampler
+the last one shorter: there is no ``drop_last``). The shares are equal in length (the sampler
 pads them), so batch t of every worker has the same size and the n batches stack into
 one ``[n, b]`` index tensor.
 """

@@ -82,6 +82,8 @@ def test_both_engines_give_the_same_table(tmp_path):
         reports[engine] = json.loads((tmp_path / engine / "results.json").read_text())
     sim, processes = (reports[e]["results"][0] for e in ("sim", "processes"))
     assert reports["sim"]["engine"] == "sim" and reports["processes"]["engine"] == "processes"
+    # the worker processes write the report: their settings are the parent's --workers, not its default
+    assert [(r["world_size"], r["settings"]["workers"]) for r in reports.values()] == [(4, 4), (4, 4)]
     assert reports["sim"]["settings"]["protocol"] == reports["processes"]["settings"]["protocol"]
     assert reports["sim"]["settings"]["protocol"]["nesterov"] is True
     # float32 sums in another order may flip at most a prediction or two of the 360 test images
@@ -281,3 +283,36 @@ def test_launch_self_gives_its_workers_the_launchers_ranks_and_leaves_this_proce
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR")
     assert {name: worker[name] for name in launcher} == dict(zip(launcher, ("0", "1", "0", "1", "0", "127.0.0.1")))
     assert worker["MASTER_PORT"] != "1"
+
+
+def test_a_sweep_config_is_built_in_python_and_a_bad_one_names_its_argument():
+    """SweepConfig without argparse: derived fields from the given ones, frozen, every bad
+    value refused naming the field and its flag; its settings are results.json's, one key
+    per flag in the flags' order."""
+    import dataclasses
+
+    from bagua_algos.experiments.sweep import cli
+    from bagua_algos.experiments.sweep.config import SweepConfig, SweepConfigError
+
+    config = SweepConfig(workers=2, configs="allreduce_average;relay:topology=chain", alphas=[1, 0.1],
+                         protocol_name="relaysum", momentum=0.0)
+    assert config.model == "mlp" and config.alphas == (1.0, 0.1) and config.lrs == (0.05,) and config.runs == 4
+    assert config.protocol.momentum == 0.0 and config.protocol.nesterov is False
+    assert [c.spec for c in config.parsed_configs] == ["allreduce_average", "relay:topology=chain"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.workers = 3
+    assert dataclasses.replace(config, epochs=4).protocol.milestones == (3.0, 3.6)  # derived again: 150, 180 of 200
+    dests = [action.dest for action in cli.build_parser()._actions if action.dest != "help"]
+    assert list(config.settings()) == dests  # --protocol's dest is "protocol": the resolved protocol there
+    for kwargs, argument, flag in [
+        ({"workers": 0}, "workers", "--workers"), ({"lr": float("nan")}, "lr", "--lr"),
+        ({"alphas": (0.1, -1)}, "alphas", "--alphas"), ({"momentum": 1.5}, "momentum", "--momentum"),
+        ({"protocol_name": "adam"}, "protocol_name", "--protocol"), ({"configs": "ddp"}, "configs", "--configs"),
+        ({"model": "vgg11"}, "model", "--model"), ({"dataset": "cifar10"}, "data_dir", "--data-dir"),
+        ({"engine": "sim", "configs": "async"}, "engine", "--engine"),
+        ({"engine": "processes", "jobs": 2}, "jobs", "--jobs"),
+    ]:
+        with pytest.raises(SweepConfigError) as error:
+            SweepConfig(**kwargs)
+        assert (error.value.argument, error.value.flag) == (argument, flag), kwargs
+        assert str(error.value).startswith(f"{argument} ({flag}): ")

@@ -43,8 +43,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
-
 
 import torch
 

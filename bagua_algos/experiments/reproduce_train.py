@@ -1,4 +1,4 @@
-"""Training, byte counting and timing for ``reproduce`` (bagua_algos/experiments/reproduce.py).
+"""Training, byte counting and timing for ``reproduce`` (bagua_algos/experiments/reproduce/).
 
 A run trains the stacked workers of one algorithm on the one-process engine
 (:class:`bagua_algos.engine.Engine`, docs/engine.md) through the sweep's training loop

@@ -3,7 +3,10 @@
 
 One module per concern:
 
-- ``cli``: the flags, their checks (engine, jobs, memory, ``--resume``) and ``main``;
+- ``config``: :class:`~bagua_algos.experiments.sweep.config.SweepConfig`, every setting of a sweep
+  as one frozen value, checked when built (in Python too), which the other modules read;
+- ``cli``: the flags, the SweepConfig they make, the checks against the machine (GPUs,
+  memory, ``--resume``), what ``--engine auto`` and ``--jobs`` resolve to, and ``main``;
 - ``runs``: one run on either engine through the experiments' training loop
   (:mod:`bagua_algos.experiments.training`) and every run of the sweep in turn;
 - ``schedule``: how many runs train at a time (idle CPUs) and the pool that trains them;

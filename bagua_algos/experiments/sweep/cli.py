@@ -25,24 +25,23 @@ preempted machine) goes on from there with ``--resume`` (``bagua_algos/experimen
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import os
 import sys
 
-from bagua_algos.algorithms.table import ALGORITHM_TABLE
-from bagua_algos.experiments.common import (ConfigError, config_spec, launch_self, launched_worker, parse_configs,
-                                            without_flag)
-from bagua_algos.experiments.data import DATASETS, DEFAULT_MODEL, MODELS
+from bagua_algos.experiments.common import launch_self, launched_worker, without_flag
+from bagua_algos.experiments.data import DATASETS, MODELS
 from bagua_algos.experiments.protocol import PROTOCOLS, QUANTITIES, SCHEDULES
+from bagua_algos.experiments.sweep.config import (DEFAULT_CONFIGS, DEFAULT_PROTOCOL, ENGINES, SweepConfig,
+                                                  SweepConfigError)
 from bagua_algos.experiments.sweep.report import COMMAND_ENV
 from bagua_algos.experiments.sweep.runlog import ResumeError, read_previous_runs
 from bagua_algos.experiments.sweep.schedule import idle_cpus
 
-__all__ = ["ENGINES", "DEFAULT_CONFIGS", "build_parser", "parse_args", "main"]
+__all__ = ["ENGINES", "DEFAULT_CONFIGS", "build_parser", "parse_args", "configure", "config_from_arguments", "main"]
 
-ENGINES = ("auto", "sim", "processes")
 MODULE = "bagua_algos.experiments.sweep.cli"  # what --engine processes runs in each worker (launch_self)
-# The table's rows marked in_sweep, in its order (bagua_algos/algorithms/table.py says why each).
-DEFAULT_CONFIGS = ";".join(config_spec(config) for config in ALGORITHM_TABLE if config.in_sweep)
 
 
 def positive_float_list(text: str) -> list[float]:
@@ -67,9 +66,6 @@ def milestone_list(text: str) -> tuple:
     return values
 
 
-# The protocol the sweep trains under unless --protocol says otherwise (docs/results.md,
-# "The sweep's protocol", measured both ways).
-DEFAULT_PROTOCOL = "heavy_ball"
 PROTOCOL_HELP = {
     "heavy_ball": "SGD momentum 0.9 at a constant rate (no paper's)",
     "relaysum": "the RelaySum paper's: Nesterov 0.9, warm-up 5 of 200 epochs, x0.1 at 150 and 180, the worst worker",
@@ -77,28 +73,6 @@ PROTOCOL_HELP = {
     "powersgd": "the PowerSGD paper's: its Nesterov form, warm-up from lr/workers, x0.1 at 150 and 250 of 300",
     "diloco": "DiLoCo's inner AdamW, warm-up and cosine decay",
 }
-PROTOCOL_FLAGS = {  # flag -> the Protocol field it sets
-    "momentum": "momentum", "nesterov": "nesterov", "dampening": "dampening", "weight_decay": "weight_decay",
-    "decay_norm": "decay_norm", "schedule": "schedule", "warmup_epochs": "warmup_epochs",
-    "milestones": "milestones", "decay_factor": "decay_factor", "quantity": "quantity",
-}
-
-
-def resolve_protocol(args):
-    """The Protocol of this sweep: --protocol's at --epochs, then each flag given; a
-    ValueError names the knob that is out of range."""
-    from bagua_algos.experiments.protocol import protocol_named
-
-    protocol = protocol_named(args.protocol).at_epochs(args.epochs)
-    changes = {field: getattr(args, flag) for flag, field in PROTOCOL_FLAGS.items() if getattr(args, flag) is not None}
-    if "momentum" in changes and changes["momentum"] == 0 and "nesterov" not in changes:
-        changes["nesterov"] = False  # no momentum, no Nesterov
-    if "milestones" in changes and "schedule" not in changes:
-        changes["schedule"] = "step"
-    if changes:
-        name = f"{protocol.name} with {', '.join(f'{k}={v}' for k, v in changes.items())}"
-        protocol = protocol.with_(name=name, **changes)
-    return protocol
 
 
 def positive_int(text: str) -> int:
@@ -181,127 +155,114 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv=None, in_worker: bool = False) -> argparse.Namespace:
-    """The arguments, every one checked here, once, before any work starts: a bad one
-    ends with argparse's one-line error naming it. A worker process of ``--engine
-    processes`` re-reads them (``in_worker``) without the checks its parent made."""
+def config_from_arguments(args: argparse.Namespace, **changes) -> SweepConfig:
+    """The SweepConfig of parsed flags (``--protocol`` is ``protocol_name``), with
+    ``changes`` over them; raises :class:`SweepConfigError` naming a bad one."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(SweepConfig)
+              if f.init and hasattr(args, f.name)}
+    values["protocol_name"] = args.protocol
+    return SweepConfig(**{**values, **changes})
+
+
+def parse_args(argv=None, in_worker: bool = False) -> SweepConfig:
+    """The sweep's settings, every one checked here, once, before any work starts: a bad
+    one ends with argparse's one-line error naming it. A worker process of ``--engine
+    processes`` re-reads them (``in_worker``) without the checks of the machine its
+    parent made."""
+    return configure(argv, in_worker)[0]
+
+
+def configure(argv=None, in_worker: bool = False):
+    """(SweepConfig, the loaded data) of the command line ``argv``: the flags checked
+    (:class:`SweepConfig`), then against the machine (a GPU per worker, the memory,
+    ``--resume``'s log), ``--engine auto`` and the number of ``--jobs`` resolved. In a
+    worker (``in_worker``) the engine is "processes" and the data is None: each worker
+    loads its own."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if in_worker:
-        args.model = args.model or DEFAULT_MODEL[args.dataset]
-        args.parsed_configs = parse_configs(args.configs)
-        args.engine = "processes"
-        args.protocol = resolve_protocol(args)
-        return args
     try:
-        args.protocol = resolve_protocol(args)
-    except ValueError as err:  # "Protocol momentum=1.5: expected ..." -> the flag's name
-        text = str(err)
-        knob = text.split()[1].split("=")[0] if text.startswith("Protocol ") else "protocol"
-        flag = next((f for f, field in PROTOCOL_FLAGS.items() if field == knob), "protocol")
-        parser.error(f"argument --{flag.replace('_', '-')}: {text}")
-    if args.lr <= 0 or not math.isfinite(args.lr):
-        parser.error(f"argument --lr: expected a positive number, got {args.lr}")
-    from bagua_algos.experiments.data import check_data_dir, check_model
-
-    if args.dataset == "cifar10":
+        if in_worker:  # launched without --workers: the job's world size is the number of workers
+            return config_from_arguments(args, engine="processes", workers=int(os.environ["WORLD_SIZE"])), None
+        config = choose_engine(parser, config_from_arguments(args))
+        jobs_given = config.jobs is not None  # check_memory may lower a chosen number, never a given one
+        config = choose_jobs(config)
+    except SweepConfigError as err:
+        parser.error(f"argument {err.flag}: {err.reason}")
+    config, data = check_memory(parser, config, jobs_given)
+    if config.resume:
         try:
-            check_data_dir(args.data_dir)
-        except FileNotFoundError as err:
-            parser.error(f"argument --data-dir: {err}")
-    args.model = args.model or DEFAULT_MODEL[args.dataset]
-    try:
-        check_model(args.model, args.dataset)
-    except ValueError as err:
-        parser.error(f"argument --model: {err}")
-    try:
-        args.parsed_configs = parse_configs(args.configs)
-    except ConfigError as err:
-        parser.error(f"argument --configs: {err}")
-    if any(c.is_ddp for c in args.parsed_configs):
-        parser.error("argument --configs: 'ddp' trains gradients, not models, and has no place in this sweep")
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            parser.error("argument --device: cuda, but this machine has no visible GPU; use --device cpu")
-    choose_engine(parser, args)
-    choose_jobs(parser, args)
-    check_memory(parser, args)
-    if args.resume:
-        try:
-            read_previous_runs(args)
+            read_previous_runs(config)
         except ResumeError as err:
             parser.error(f"argument --resume: {err}")
-    return args
+    return config, data
 
 
-def choose_engine(parser, args) -> None:
-    """args.engine: "sim" or "processes" (what auto means for these configs), checked."""
+def choose_engine(parser, config: SweepConfig) -> SweepConfig:
+    """``config`` with ``engine`` "sim" or "processes" (what auto means for these
+    configs, and why), checked against the machine's GPUs."""
     from bagua_algos.experiments.sweep.runs import stacked_config_error
 
-    refusals = {c.spec: stacked_config_error(c) for c in args.parsed_configs}
-    refused = {spec: why for spec, why in refusals.items() if why}
-    if args.engine == "sim" and refused:
-        spec, why = next(iter(refused.items()))
-        parser.error(f"argument --engine: sim cannot run config {spec!r}: {why}")
-    if args.engine == "auto":
-        args.engine = "processes" if refused else "sim"
-        args.engine_reason = ("a config has no stacked form: " + ", ".join(refused)) if refused else \
-            "every config has a stacked form"
-    if args.engine == "processes" and args.device == "cuda":
+    engine, reason = config.engine, config.engine_reason
+    if engine == "auto":
+        refused = [c.spec for c in config.parsed_configs if stacked_config_error(c)]
+        # the engine runs each algorithm's own implementation; one it refuses (async:
+        # its averages depend on wall-clock timing) sends the sweep to processes
+        engine = "processes" if refused else "sim"
+        reason = ("a config has no stacked form: " + ", ".join(refused)) if refused else \
+            "the engine runs every config's own implementation"
+    if engine == "processes" and config.device == "cuda":
         import torch
 
         gpus = torch.cuda.device_count()
-        if args.workers > gpus:
-            parser.error(f"argument --workers: --engine processes --device cuda puts each of the {args.workers} "
+        if config.workers > gpus:
+            parser.error(f"argument --workers: --engine processes --device cuda puts each of the {config.workers} "
                          f"workers on its own GPU and this machine has {gpus}; use --engine sim (all workers on "
                          f"one GPU), at most {gpus} workers, or --device cpu")
+    if (engine, reason) == (config.engine, config.engine_reason):
+        return config
+    return dataclasses.replace(config, engine=engine, engine_reason=reason)
 
 
-def choose_jobs(parser, args) -> None:
-    """args.jobs: how many runs train at a time (sim on the CPU only), checked."""
-    runs = len(args.alphas) * len(args.parsed_configs) * len(args.lr_grid or [args.lr])
-    if args.jobs is not None and args.jobs > 1:
-        if args.engine != "sim":
-            parser.error(f"argument --jobs: {args.jobs} runs at a time is for --engine sim; the processes engine "
-                         "trains one run at a time on all its worker processes (leave --jobs out)")
-        if args.device == "cuda":
-            parser.error(f"argument --jobs: {args.jobs} runs at a time on one GPU is not supported (forked processes "
-                         "cannot share a CUDA context); leave --jobs out or use --device cpu")
-    args.jobs_chosen = args.jobs is None  # check_memory may lower a chosen number, never a given one
-    if args.jobs is None:
-        args.jobs = max(1, min(runs, idle_cpus() // args.threads)) if args.engine == "sim" and args.device == "cpu" else 1
-    args.jobs = min(args.jobs, max(runs, 1))
+def choose_jobs(config: SweepConfig) -> SweepConfig:
+    """``config`` with ``jobs``, how many runs train at a time (sim on the CPU only): the
+    idle CPUs over ``--threads`` when not given, at most the number of runs."""
+    jobs = config.jobs
+    if jobs is None:
+        jobs = max(1, min(config.runs, idle_cpus() // config.threads)) \
+            if config.engine == "sim" and config.device == "cpu" else 1
+    return dataclasses.replace(config, jobs=min(jobs, max(config.runs, 1)))
 
 
-def check_memory(parser, args) -> None:
-    """Refuse a run that would not fit the machine's memory, naming both figures."""
+def check_memory(parser, config: SweepConfig, jobs_given: bool):
+    """(``config``, its data): refuse a run that would not fit the machine's memory,
+    naming both figures; a number of jobs the sweep chose (not ``jobs_given``) is
+    lowered until they fit."""
     import torch
 
     from bagua_algos.experiments.data import build_model, load_data
     from bagua_algos.experiments.sweep.memory import available_bytes, needed_bytes
 
-    if args.engine == "sim":  # before any torch op, so the forked job processes (--jobs) inherit no thread pool
-        torch.set_num_threads(args.threads)
-    data = load_data(args.dataset, args.data_dir, args.seed)
-    args.loaded_data = data
-    torch.manual_seed(args.seed)
-    model = build_model(data, args.model)
+    if config.engine == "sim":  # before any torch op, so the forked job processes (--jobs) inherit no thread pool
+        torch.set_num_threads(config.threads)
+    data = load_data(config.dataset, config.data_dir, config.seed)
+    torch.manual_seed(config.seed)
+    model = build_model(data, config.model)
     data_bytes = sum(t.numel() * t.element_size() for t in (data.train_x, data.train_y, data.test_x, data.test_y))
-    device = torch.device("cuda" if args.device == "cuda" else "cpu")
-    need = lambda jobs: needed_bytes(args.engine, args.workers, model, data.train_x[0], args.batch_size,  # noqa: E731
-                                     data_bytes, jobs)
+    device = torch.device("cuda" if config.device == "cuda" else "cpu")
+    need = lambda jobs: needed_bytes(config.engine, config.workers, model, data.train_x[0],  # noqa: E731
+                                     config.batch_size, data_bytes, jobs)
     have = available_bytes(device)
-    while args.jobs_chosen and args.jobs > 1 and need(args.jobs) > have:
-        args.jobs -= 1
-    if need(args.jobs) > have:
+    jobs = config.jobs
+    while not jobs_given and jobs > 1 and need(jobs) > have:
+        jobs -= 1
+    if need(jobs) > have:
         where = "the GPU has" if device.type == "cuda" else "this machine has"
-        jobs = f" ({args.jobs} runs at a time)" if args.jobs > 1 else ""
-        parser.error(f"argument --workers: {args.workers} workers of {args.model} with --engine {args.engine} need "
-                     f"about {need(args.jobs) / 2**30:.1f} GiB{jobs} and {where} {have / 2**30:.1f} GiB available; "
-                     "use fewer workers" + (" or --engine sim" if args.engine == "processes" else "")
-                     + (" or --jobs 1" if args.jobs > 1 else ""))
+        at_a_time = f" ({jobs} runs at a time)" if jobs > 1 else ""
+        parser.error(f"argument --workers: {config.workers} workers of {config.model} with --engine {config.engine} "
+                     f"need about {need(jobs) / 2**30:.1f} GiB{at_a_time} and {where} {have / 2**30:.1f} GiB "
+                     "available; use fewer workers" + (" or --engine sim" if config.engine == "processes" else "")
+                     + (" or --jobs 1" if jobs > 1 else ""))
+    return dataclasses.replace(config, jobs=jobs), data
 
 
 def main(argv=None) -> None:
@@ -311,17 +272,18 @@ def main(argv=None) -> None:
 
         run_worker(parse_args(argv, in_worker=True))
         return
-    args = parse_args(argv)
-    reason = getattr(args, "engine_reason", "as asked")
-    jobs = f", {args.jobs} runs at a time" if args.jobs > 1 else ""
-    print(f"heterogeneity_sweep: {args.workers} workers on the {args.engine} engine ({reason}){jobs}", file=sys.stderr)
-    print(f"heterogeneity_sweep: {args.protocol.describe()}", file=sys.stderr)
-    if args.engine == "sim":
+    config, data = configure(argv)
+    reason = config.engine_reason or "as asked"
+    jobs = f", {config.jobs} runs at a time" if config.jobs > 1 else ""
+    print(f"heterogeneity_sweep: {config.workers} workers on the {config.engine} engine ({reason}){jobs}",
+          file=sys.stderr)
+    print(f"heterogeneity_sweep: {config.protocol.describe()}", file=sys.stderr)
+    if config.engine == "sim":
         from bagua_algos.experiments.sweep.runs import run_sim
 
-        run_sim(args)
+        run_sim(config, data)
     else:
-        launch_self(MODULE, args.workers, without_flag(argv, "--workers"), COMMAND_ENV)
+        launch_self(MODULE, config.workers, without_flag(argv, "--workers"), COMMAND_ENV)
 
 
 if __name__ == "__main__":

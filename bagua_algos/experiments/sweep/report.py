@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from bagua_algos.experiments.sweep.config import SweepConfig
 from bagua_algos.experiments.sweep.plots import plot_accuracy, plot_histograms
 
 __all__ = ["COMMAND_ENV", "TABLE_COLUMNS", "config_label", "best_runs", "make_report", "format_table",
@@ -46,10 +47,10 @@ def config_label(config) -> str:
     return config.name
 
 
-def write_report(args, runs, failed, started) -> None:
-    report = make_report(args, runs, args.workers, time.perf_counter() - started)
+def write_report(sweep: SweepConfig, runs, failed, started) -> None:
+    report = make_report(sweep, runs, sweep.workers, time.perf_counter() - started)
     report["failed_runs"] = failed
-    write_outputs(args, report)
+    write_outputs(sweep, report)
 
 
 HEADLINE = "final_mean_worker_accuracy"
@@ -60,10 +61,9 @@ RelaySum paper's worst worker (``final_worst_worker_tail_accuracy``). The averag
 (1/n) Σ x_i, which no worker holds, is reported beside them, named as such."""
 
 
-def headline_of(args) -> str:
+def headline_of(sweep: SweepConfig) -> str:
     """The run record's field the sweep tunes on and reports first: its protocol's quantity."""
-    protocol = getattr(args, "protocol", None)
-    return HEADLINE if protocol is None or isinstance(protocol, str) else protocol.quantity_field
+    return sweep.protocol.quantity_field
 
 
 def best_runs(runs: list[dict], headline: str = HEADLINE) -> list[dict]:
@@ -76,23 +76,20 @@ def best_runs(runs: list[dict], headline: str = HEADLINE) -> list[dict]:
     return list(best.values())
 
 
-def make_report(args, runs, world_size: int, seconds: float) -> dict:
+def make_report(sweep: SweepConfig, runs, world_size: int, seconds: float) -> dict:
     import torch
 
     command = os.environ.get(COMMAND_ENV) or " ".join([Path(sys.executable).name, *sys.argv])
-    settings = {k: v for k, v in vars(args).items() if k not in ("parsed_configs", "loaded_data", "jobs_chosen")}
-    if hasattr(args.protocol, "to_dict"):
-        settings["protocol"] = args.protocol.to_dict()
     return {
         "command": command,
-        "protocol": args.protocol.describe() if hasattr(args.protocol, "describe") else str(args.protocol),
-        "headline": headline_of(args),
-        "settings": settings,
+        "protocol": sweep.protocol.describe(),
+        "headline": headline_of(sweep),
+        "settings": sweep.settings(),
         "world_size": world_size,
-        "engine": args.engine,
+        "engine": sweep.engine,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "seconds": seconds,
-        "results": best_runs(runs, headline_of(args)),
+        "results": best_runs(runs, headline_of(sweep)),
         "all_runs": runs,
     }
 
@@ -123,8 +120,8 @@ def format_table(rows: list[dict], headline: str = HEADLINE) -> str:
     return "\n".join([line([t for t, _, _ in columns]), line(["-" * w for w in widths])] + [line(c) for c in cells])
 
 
-def write_outputs(args, report: dict) -> None:
-    out = Path(args.out_dir)
+def write_outputs(sweep: SweepConfig, report: dict) -> None:
+    out = Path(sweep.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = sorted(report["results"], key=lambda r: (-r["alpha"], r["label"]))
     with open(out / "results.json", "w") as f:
@@ -138,8 +135,8 @@ def write_outputs(args, report: dict) -> None:
                                                                            report["protocol"]])
     plot_accuracy(rows, out / "accuracy_vs_epoch.png", report)
     plot_histograms(rows, out / "class_histograms.png")
-    print(f"\n{report['command']}\n{report['world_size']} workers ({report['engine']} engine), {args.dataset}, "
-          f"{args.model}, {args.epochs} epochs, {report['seconds']:.0f} s\n{report['protocol']}\n"
+    print(f"\n{report['command']}\n{report['world_size']} workers ({report['engine']} engine), {sweep.dataset}, "
+          f"{sweep.model}, {sweep.epochs} epochs, {report['seconds']:.0f} s\n{report['protocol']}\n"
           f"(* the protocol's quantity: each (algorithm, alpha)'s lr chosen on it)\n")
     print(format_table(rows, report["headline"]))
     print(f"\nwritten: {out / 'results.csv'}, {out / 'results.json'}, {out / 'accuracy_vs_epoch.png'}, "

@@ -37,8 +37,10 @@ class ResumeError(ValueError):
     """The run log cannot be resumed (other settings, or a line that is not a record)."""
 
 
-def settings_of(args) -> dict:
-    values = {name: getattr(args, name) for name in RESULT_SETTINGS}
+def settings_of(sweep) -> dict:
+    """The RESULT_SETTINGS of ``sweep`` (a :class:`~bagua_algos.experiments.sweep.config.SweepConfig`),
+    JSON-ready: the run log's first line."""
+    values = {name: getattr(sweep, name) for name in RESULT_SETTINGS}
     if hasattr(values["protocol"], "to_dict"):  # every knob of the protocol, JSON-ready
         values["protocol"] = values["protocol"].to_dict()
     if values["data_dir"] is not None:
@@ -51,10 +53,10 @@ def run_key(record: dict) -> tuple:
     return record["config"], float(record["alpha"]), float(record["lr"])
 
 
-def read_previous_runs(args) -> list[dict]:
-    """The runs ``OUT_DIR/runs.jsonl`` holds for these settings ([] if there is no log);
+def read_previous_runs(sweep) -> list[dict]:
+    """The runs ``OUT_DIR/runs.jsonl`` holds for the settings of ``sweep`` (a SweepConfig) ([] if there is no log);
     raises :class:`ResumeError` naming what stands in the way."""
-    path = Path(args.out_dir) / RUNS_FILE
+    path = Path(sweep.out_dir) / RUNS_FILE
     if not path.exists():
         return []
     lines = path.read_text().split("\n")
@@ -72,7 +74,7 @@ def read_previous_runs(args) -> list[dict]:
             raise ResumeError(f"{path}: line {number} is not a JSON record; move the file away to start over") from None
     if not records or "sweep_settings" not in records[0]:
         raise ResumeError(f"{path} does not start with the sweep's settings; move the file away to start over")
-    saved, now = records[0]["sweep_settings"], settings_of(args)
+    saved, now = records[0]["sweep_settings"], settings_of(sweep)
     differ = [f"{name} {saved.get(name)!r} there, {now[name]!r} now" for name in RESULT_SETTINGS
               if saved.get(name) != now[name]]
     if differ:
@@ -87,12 +89,12 @@ class RunLog:
     then ``previous`` (the runs being resumed, [] for a new sweep), which also drops a
     line an earlier kill cut short."""
 
-    def __init__(self, args, previous: list[dict]):
-        self.path = Path(args.out_dir) / RUNS_FILE
+    def __init__(self, sweep, previous: list[dict]):
+        self.path = Path(sweep.out_dir) / RUNS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         temporary = self.path.with_name(self.path.name + ".tmp")
         with open(temporary, "w") as f:
-            for record in [{"sweep_settings": settings_of(args)}, *previous]:
+            for record in [{"sweep_settings": settings_of(sweep)}, *previous]:
                 f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())

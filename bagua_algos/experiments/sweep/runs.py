@@ -2,7 +2,8 @@
 run of the sweep in turn (``--resume``'s log, ``--jobs`` at a time, the report).
 
 Both engines train through :func:`bagua_algos.experiments.training.train_epochs` with the
-same data, model, and the optimizer and schedule of the sweep's protocol (``args.protocol``), and report the same fields (:func:`run_result`)
+same data, model, and the optimizer and schedule of the sweep's protocol (``config.protocol``, a
+:class:`~bagua_algos.experiments.sweep.config.SweepConfig`), and report the same fields (:func:`run_result`)
 from each worker's and the averaged model's test accuracy: ``--engine sim`` all
 ``--workers`` stacked in this process (:func:`train_stacked`, bagua_algos.engine),
 ``--engine processes`` one worker per process of a launched job (:func:`train_one`).
@@ -21,6 +22,7 @@ from bagua_algos.engine import Engine, refusal
 from samplers import WorkerShares
 from bagua_algos.experiments.data import build_model, load_data
 from bagua_algos.experiments.protocol import tail_accuracy
+from bagua_algos.experiments.sweep.config import SweepConfig
 from bagua_algos.experiments.sweep.report import config_label, write_report
 from bagua_algos.experiments.sweep.runlog import RunLog, read_previous_runs, run_key
 from bagua_algos.experiments.sweep.schedule import run_jobs
@@ -85,26 +87,27 @@ def stacked_config_error(config) -> str | None:
     return None if why is None else f"the one-process engine does not run {type(algorithm).__name__}: {why}"
 
 
-def train_stacked(args, data, config, alpha: float, lr: float, make_model) -> dict:
-    """One run of the sweep on the engine; the same fields as :func:`train_one`'s."""
-    torch.manual_seed(args.seed)
+def train_stacked(sweep: SweepConfig, data, config, alpha: float, lr: float, make_model) -> dict:
+    """One run of the sweep on the engine (``config``: one of ``sweep.parsed_configs``); the
+    same fields as :func:`train_one`'s."""
+    torch.manual_seed(sweep.seed)
     module = make_model()
     if config.is_qadam:  # QAdam owns its optimizer: the engine builds it on the stacked parameter
         algorithm = config.build_algorithm(config.build_qadam_optimizer(module.parameters(), lr=lr))
         optimizer = None
     else:
         algorithm = config.build_algorithm()
-        optimizer = args.protocol.optimizer_for(module, lr)
-    engine = Engine(module, args.workers, algorithm, optimizer, device=data.train_x.device,
+        optimizer = sweep.protocol.optimizer_for(module, lr)
+    engine = Engine(module, sweep.workers, algorithm, optimizer, device=data.train_x.device,
                     bucket_size=config.wrap_kwargs.get("bucket_size", DEFAULT_BUCKET_SIZE))
-    shares = WorkerShares(data.train_y.cpu(), args.workers, alpha, args.seed)
-    workers = StackedWorkers(engine, data, lambda epoch: shares.batches(epoch, args.batch_size,
+    shares = WorkerShares(data.train_y.cpu(), sweep.workers, alpha, sweep.seed)
+    workers = StackedWorkers(engine, data, lambda epoch: shares.batches(epoch, sweep.batch_size,
                                                                         device=data.train_x.device))
-    lr_at = args.protocol.schedule_for(lr, args.epochs, steps_per_epoch(len(shares), args.batch_size,
-                                                                         args.max_steps_per_epoch), args.workers)
+    lr_at = sweep.protocol.schedule_for(lr, sweep.epochs, steps_per_epoch(len(shares), sweep.batch_size,
+                                                                         sweep.max_steps_per_epoch), sweep.workers)
     started = time.perf_counter()
-    curves = train_epochs(workers, args.epochs, args.max_steps_per_epoch, lr_at=lr_at)
-    return _result(curves, args.workers, started, shares.class_histogram(), args.protocol)
+    curves = train_epochs(workers, sweep.epochs, sweep.max_steps_per_epoch, lr_at=lr_at)
+    return _result(curves, sweep.workers, started, shares.class_histogram(), sweep.protocol)
 
 
 def accuracy(model, x, y, batch: int = 1000) -> float:
@@ -137,57 +140,59 @@ class Evaluator:
         return everyone.tolist(), accuracy(self.average_model, self.data.test_x, self.data.test_y)
 
 
-def train_one(args, data, config, alpha: float, lr: float, evaluator) -> dict:
-    """One run of the sweep on this worker of a launched job (``--engine processes``)."""
+def train_one(sweep: SweepConfig, data, config, alpha: float, lr: float, evaluator) -> dict:
+    """One run of the sweep on this worker of a launched job (``--engine processes``;
+    ``config``: one of ``sweep.parsed_configs``)."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from bagua_algos.runtime import comm
     from samplers import DistributedHeterogeneousSampler
 
     rank, world = comm.get_rank(), comm.get_world_size()
-    torch.manual_seed(args.seed)
-    model = build_model(data, args.model).to(data.train_x.device)
-    optimizer = args.protocol.optimizer_for(model, lr)(model.parameters())
+    torch.manual_seed(sweep.seed)
+    model = build_model(data, sweep.model).to(data.train_x.device)
+    optimizer = sweep.protocol.optimizer_for(model, lr)(model.parameters())
     model.with_bagua([optimizer], config.build_algorithm(), **config.wrap_kwargs)
     sampler = DistributedHeterogeneousSampler(
         TensorDataset(data.train_x, data.train_y), num_replicas=world, rank=rank,
-        alpha=alpha, seed=args.seed, labels=data.train_y.cpu(),
+        alpha=alpha, seed=sweep.seed, labels=data.train_y.cpu(),
     )
-    loader = DataLoader(TensorDataset(data.train_x, data.train_y), batch_size=args.batch_size, sampler=sampler)
-    lr_at = args.protocol.schedule_for(lr, args.epochs, steps_per_epoch(len(sampler), args.batch_size,
-                                                                         args.max_steps_per_epoch), world)
+    loader = DataLoader(TensorDataset(data.train_x, data.train_y), batch_size=sweep.batch_size, sampler=sampler)
+    lr_at = sweep.protocol.schedule_for(lr, sweep.epochs, steps_per_epoch(len(sampler), sweep.batch_size,
+                                                                         sweep.max_steps_per_epoch), world)
     started = time.perf_counter()
-    curves = train_epochs(ProcessWorker(model, optimizer, loader, sampler, evaluator), args.epochs,
-                          args.max_steps_per_epoch, lr_at=lr_at)
+    curves = train_epochs(ProcessWorker(model, optimizer, loader, sampler, evaluator), sweep.epochs,
+                          sweep.max_steps_per_epoch, lr_at=lr_at)
     model.bagua_ddp.detach()  # also on a NaN: every rank stops together (the losses are allgathered)
-    return _result(curves, world, started, sampler.class_histogram(), args.protocol)
+    return _result(curves, world, started, sampler.class_histogram(), sweep.protocol)
 
 
-def run_worker(args) -> None:
+def run_worker(sweep: SweepConfig) -> None:
     from bagua_algos.runtime import comm
 
     torch.set_num_threads(1)
-    comm.init_process_group(backend="gloo" if args.device == "cpu" else "nccl")
+    comm.init_process_group(backend="gloo" if sweep.device == "cpu" else "nccl")
     rank = comm.get_rank()
-    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    data = load_data(args.dataset, args.data_dir, args.seed).to(device)
-    evaluator = Evaluator(data, lambda: build_model(data, args.model).to(device))
-    train = lambda config, alpha, lr: train_one(args, data, config, alpha, lr, evaluator)  # noqa: E731
-    run_all(args, train, show=rank == 0)
+    device = torch.device("cuda", torch.cuda.current_device()) if sweep.device == "cuda" else torch.device("cpu")
+    data = load_data(sweep.dataset, sweep.data_dir, sweep.seed).to(device)
+    evaluator = Evaluator(data, lambda: build_model(data, sweep.model).to(device))
+    train = lambda config, alpha, lr: train_one(sweep, data, config, alpha, lr, evaluator)  # noqa: E731
+    run_all(sweep, train, show=rank == 0)
     comm.barrier()
     comm.destroy_process_group()
 
 
-def run_sim(args) -> None:
-    """The sweep on the one-process engine: every run's workers stacked on args.device."""
-    torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if args.device == "cuda" else "cpu")
-    data = args.loaded_data.to(device)
-    make_model = lambda: build_model(data, args.model)  # noqa: E731
-    if args.jobs > 1:  # torch.optim's optimizers import it when first used (about 1 s): once here, not in every job
+def run_sim(sweep: SweepConfig, data) -> None:
+    """The sweep on the one-process engine: every run's workers stacked on ``sweep.device``,
+    training on ``data`` (loaded on the CPU by the command line's memory check)."""
+    torch.set_num_threads(sweep.threads)
+    device = torch.device("cuda" if sweep.device == "cuda" else "cpu")
+    data = data.to(device)
+    make_model = lambda: build_model(data, sweep.model)  # noqa: E731
+    if sweep.jobs > 1:  # torch.optim's optimizers import it when first used (about 1 s): once here, not in every job
         import torch._dynamo as _dynamo  # noqa: F401
-    run_all(args, lambda config, alpha, lr: train_stacked(args, data, config, alpha, lr, make_model), show=True,
-            jobs=args.jobs)
+    run_all(sweep, lambda config, alpha, lr: train_stacked(sweep, data, config, alpha, lr, make_model), show=True,
+            jobs=sweep.jobs)
 
 
 def one_run(train, config, alpha: float, lr: float) -> dict:
@@ -200,18 +205,17 @@ def one_run(train, config, alpha: float, lr: float) -> dict:
         return {**record, "error": str(err)}
 
 
-def run_all(args, train, show: bool, jobs: int = 1) -> None:
+def run_all(sweep: SweepConfig, train, show: bool, jobs: int = 1) -> None:
     """Every (α, config, lr) run through ``train``, but those ``--resume`` finds done;
     ``jobs`` of them at a time (:func:`bagua_algos.experiments.sweep.schedule.run_jobs`).
     A run whose loss turns NaN is reported with its worker and the sweep goes on. Where
     ``show``, each run is appended to the run log as it ends, and the outputs are
     written with whatever finished (on Ctrl-C too), the runs in the order of the sweep
     whatever ``jobs``."""
-    lrs = args.lr_grid or [args.lr]
-    previous = read_previous_runs(args) if args.resume else []
+    previous = read_previous_runs(sweep) if sweep.resume else []
     done = {run_key(r) for r in previous}
-    log = RunLog(args, previous) if show else None
-    pending = [(c, a, lr) for a in args.alphas for c in args.parsed_configs for lr in lrs
+    log = RunLog(sweep, previous) if show else None
+    pending = [(c, a, lr) for a in sweep.alphas for c in sweep.parsed_configs for lr in sweep.lrs
                if run_key({"config": c.spec, "alpha": a, "lr": lr}) not in done]
     runs = [r for r in previous if "error" not in r]
     failed = [r for r in previous if "error" in r]
@@ -219,10 +223,10 @@ def run_all(args, train, show: bool, jobs: int = 1) -> None:
         print(f"heterogeneity_sweep: resuming: {len(previous)} runs from {log.path}, {len(pending)} to go",
               file=sys.stderr)
     bar = None
-    if show and not args.no_progress:
+    if show and not sweep.no_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(pending), desc=f"sweep ({args.engine})", unit="run", file=sys.stderr)
+        bar = tqdm(total=len(pending), desc=f"sweep ({sweep.engine})", unit="run", file=sys.stderr)
     started = time.perf_counter()
     finished: dict = {}  # job index -> its record
     try:
@@ -242,14 +246,14 @@ def run_all(args, train, show: bool, jobs: int = 1) -> None:
             print(f"\ninterrupted: {len(runs) + len(failed)} runs are in {log.path}; the same command with --resume "
                   "goes on from there", file=sys.stderr)
             if runs:
-                write_report(args, runs, failed, started)
+                write_report(sweep, runs, failed, started)
         raise SystemExit(130) from None
     finally:
         if bar is not None:
             bar.close()
     runs, failed = in_order(runs, failed, finished)
     if show:
-        write_report(args, runs, failed, started)
+        write_report(sweep, runs, failed, started)
 
 
 def in_order(runs: list, failed: list, finished: dict) -> tuple:

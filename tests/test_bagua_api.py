@@ -128,7 +128,10 @@ def test_bagua_tensor_closures_and_bucket_flattening_in_one_process():
     bucket.backend_tensor.mul_(2)  # the buffer *is* the gradients
     assert torch.equal(params[1].grad, 2 * grads[1])
     copy = bucket.flattened_tensor()
-    assert copy.data_ptr() != bucket.backend_tensor.data_ptr() and torch.equal(copy, bucket.backend_tensor)
+    # Bagua's flattened_tensor() is 1-D in a job; the plugin's flat tensor is [W, L], W = 1
+    assert copy.shape == (12,) and bucket.backend_tensor.shape == bucket.flat_view().shape == (1, 12)
+    assert bucket.flat_zeros().shape == (1, 12) and bucket.workers == 1
+    assert copy.data_ptr() != bucket.backend_tensor.data_ptr() and torch.equal(copy, bucket.backend_tensor[0])
     params[0].grad = None  # zero_grad(set_to_none=True): the next ops see zeros, in place
     bucket._before_ops()
     assert bucket.check_flatten() and float(params[0].grad.abs().sum()) == 0.0

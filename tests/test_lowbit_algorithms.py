@@ -383,7 +383,7 @@ def _train_worker(rank, n):
             stream = torch.Generator().manual_seed(rank_seed(algo.seed, rank))
             for _ in range(10 * len(model.bagua_buckets)):
                 torch.randint(0, SEED_LIMIT - 1, (), generator=stream)
-            out[("stream", kind)] = torch.equal(saved[2]["algorithm_state"]["generator_state"], stream.get_state())
+            out[("stream", kind)] = torch.equal(saved[2]["algorithm_state"]["generator_state"][0], stream.get_state())
         _run(model, opt, batches[10:])
         straight = _flat(model)
         model2 = _mlp()

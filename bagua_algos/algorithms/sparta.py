@@ -117,7 +117,7 @@ class SpartaAlgorithmImpl(ModelAveragingAlgorithmImpl):
         size = sum(torch.Size(shape).numel() for shape in bucket.shapes)  # a worker's (no padding)
         places = torch.randperm(size, generator=generator)[:sparta_size(size, self.settings.fraction)].sort().values
         state["sparta_rng_state"] = generator.get_state()
-        weights = bucket.flat_view()  # a worker's [L] (the engine: [n, L])
+        weights = bucket.flat_view()  # [W, L], a row per worker
         places = places.to(weights.device)
         chosen = weights[..., places]
         comm.allreduce_inplace(chosen, comm.ReduceOp.AVG, group=self.process_group)

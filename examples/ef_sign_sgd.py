@@ -21,8 +21,9 @@ d + 4 bytes per worker instead of 4d: a quarter of the gradient's bytes. (Packin
 signs a byte would make it 1/32; the template keeps to what one line of torch does.)
 
 Written once, it also runs on the one-process engine (docs/engine.md), which runs this
-same op for all n workers at once on stacked buckets: ``bucket.flat_view()`` is then
-``[n, d]``, a row per worker, and ``comm.allgather`` hands every worker the rows. So the
+same op for all n workers at once on stacked buckets: ``bucket.flat_view()`` is always
+``[W, d]``, a row per worker (W = 1 in a job, n on the engine), and ``comm.allgather``
+hands every worker the rows. So the
 op keeps a worker's values in the last dimension (the scale is a mean over ``-1``), and
 allocates its per-worker state like the bucket's tensor (``zeros_like``), not with a
 per-rank shape. The sweep runs it from this file::
@@ -85,12 +86,12 @@ class EFSignSGDAlgorithmImpl(AlgorithmImpl):
     def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
         if self.error_feedback:
-            # e: one per worker, shaped as the bucket's flat tensor ([d]; [n, d] on the engine)
+            # e: one per worker, shaped as the bucket's flat tensor ([W, d]: [1, d] in a job, [n, d] on the engine)
             bucket.state["ef_sign_error"] = torch.zeros_like(bucket.flat_view(), dtype=torch.float32)
         bucket.append_python_op(lambda name: self._average_signs(bucket), group=self.process_group)
 
     def _average_signs(self, bucket) -> None:
-        flat = bucket.flat_view()  # the bucket's gradients as one 1-D tensor
+        flat = bucket.flat_view()  # the bucket's gradients, [W, d]: a row per worker
         with torch.no_grad():
             p = flat.float()
             if self.error_feedback:

@@ -108,6 +108,21 @@ def test_an_error_in_an_op_reaches_the_training_thread_with_its_traceback(idiom_
 # --------------------------------------------------------- tensors and buckets alone
 
 
+def test_an_unflattened_bucket_has_the_same_two_shapes_and_write_flat_takes_both():
+    from bagua_algos.runtime.bucket import BaguaBucket
+
+    params = [torch.nn.Parameter(torch.arange(6.0).view(3, 2)), torch.nn.Parameter(torch.arange(6.0, 11.0))]
+    tensors = [p.ensure_bagua_tensor(f"q{i}", "m") for i, p in enumerate(params)]
+    bucket = BaguaBucket(tensors, name="u", flatten=False, alignment=4)  # 11 values + 1 padding
+    assert bucket.flat_view().shape == (1, 12) and bucket.flattened_tensor().shape == (12,)
+    assert torch.equal(bucket.flat_view()[0, :11], torch.arange(11.0))
+    bucket.write_flat(torch.arange(12.0).view(1, 12) + 100)  # the plugin's [W, L]
+    assert torch.equal(params[1].detach(), torch.arange(106.0, 111.0))
+    bucket.write_flat(torch.arange(12.0) + 200)  # Bagua's 1-D form
+    assert torch.equal(params[0].detach(), torch.arange(200.0, 206.0).view(3, 2))
+    assert [tuple(v.shape) for _, v in bucket.tensor_views(bucket.flat_zeros())] == [(1, 3, 2), (1, 5)]
+
+
 def test_bagua_tensor_closures_and_bucket_flattening_in_one_process():
     params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(5))]
     for p in params:
@@ -128,7 +143,10 @@ def test_bagua_tensor_closures_and_bucket_flattening_in_one_process():
     bucket.backend_tensor.mul_(2)  # the buffer *is* the gradients
     assert torch.equal(params[1].grad, 2 * grads[1])
     copy = bucket.flattened_tensor()
-    assert copy.data_ptr() != bucket.backend_tensor.data_ptr() and torch.equal(copy, bucket.backend_tensor)
+    # Bagua's flattened_tensor() is 1-D in a job; the plugin's flat tensor is [W, L], W = 1
+    assert copy.shape == (12,) and bucket.backend_tensor.shape == bucket.flat_view().shape == (1, 12)
+    assert bucket.flat_zeros().shape == (1, 12) and bucket.workers == 1
+    assert copy.data_ptr() != bucket.backend_tensor.data_ptr() and torch.equal(copy, bucket.backend_tensor[0])
     params[0].grad = None  # zero_grad(set_to_none=True): the next ops see zeros, in place
     bucket._before_ops()
     assert bucket.check_flatten() and float(params[0].grad.abs().sum()) == 0.0

@@ -147,6 +147,7 @@ def _relay_checks(rank, n):
     model, opt = wrapped(algo, lr=0.1, momentum=0.9)
     sgd_steps(model, opt, rank, 4)
     checkpoint = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "bagua": model.bagua_state_dict()})
+    untouched = copy.deepcopy(checkpoint)  # (a loaded optimizer state shares the checkpoint's tensors)
     sgd_steps(model, opt, rank, 5)
     resumed, resumed_opt = wrapped(algo, lr=0.1, momentum=0.9)
     resumed.load_state_dict(checkpoint["model"])
@@ -154,6 +155,14 @@ def _relay_checks(rank, n):
     resumed.load_bagua_state_dict(checkpoint["bagua"])
     sgd_steps(resumed, resumed_opt, rank, 5)
     out["resume"] = torch.equal(model.x, resumed.x)
+    # A job's checkpoint written in the form before every state had a row dimension
+    # ("k/j" count keys, floats, one generator state) loads to the same run.
+    resumed, resumed_opt = wrapped(algo, lr=0.1, momentum=0.9)
+    resumed.load_state_dict(untouched["model"])
+    resumed_opt.load_state_dict(untouched["opt"])
+    resumed.load_bagua_state_dict(_old_job_form(untouched["bagua"]))
+    sgd_steps(resumed, resumed_opt, rank, 5)
+    out["resume_old_form"] = torch.equal(model.x, resumed.x)
     # Its per-bucket state is in bucket.state: the live buffers, saved with no relay code.
     bagua = checkpoint["bagua"]
     out["state_keys"] = (sorted(bagua["algorithm_state"]), {b: sorted(st) for b, st in bagua["bucket_state"].items()})
@@ -180,7 +189,33 @@ def _relay_checks(rank, n):
     resumed.load_bagua_state_dict(checkpoint["bagua"])
     sgd_steps(resumed, resumed_opt, rank, 3)
     out["resume_world_size"] = torch.equal(model.x, resumed.x)
+    resumed = Vector()  # ... and from the old job form, x0 a 1-D [L] then
+    with torch.no_grad():
+        resumed.x.fill_(5.0)
+    resumed_opt = torch.optim.SGD(resumed.parameters(), lr=0.1)
+    resumed.with_bagua([resumed_opt], algo)
+    resumed.load_state_dict(checkpoint["model"])
+    resumed.load_bagua_state_dict(_old_job_form(checkpoint["bagua"]))
+    sgd_steps(resumed, resumed_opt, rank, 3)
+    out["resume_world_size_old_form"] = torch.equal(model.x, resumed.x)
     return out
+
+
+def _old_job_form(bagua: dict) -> dict:
+    """A relay checkpoint of one rank as a job wrote it before the one [W, ...] shape."""
+    old = copy.deepcopy(bagua)
+    state = old["algorithm_state"]
+    counts = {}
+    for key, value in state["received_counts"].items():  # "k/i/j" → "k/j"
+        k, _, j = key.split("/")
+        counts[f"{k}/{j}"] = value
+    state["received_counts"] = counts
+    state["last_counts"] = [c[0] for c in state["last_counts"]]
+    state["generator"] = state["generator"][0]
+    for bucket_state in old["bucket_state"].values():
+        if "relay_x0" in bucket_state:
+            bucket_state["relay_x0"] = bucket_state["relay_x0"][0]
+    return old
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +263,7 @@ def test_relay_matches_single_process_simulator(relay_results, name, mode, drop)
 def test_relay_resumes_exactly_from_checkpoint(relay_results):
     assert all(out["resume"] for out in relay_results)
     assert all(out["resume_world_size"] for out in relay_results)
+    assert all(out["resume_old_form"] and out["resume_world_size_old_form"] for out in relay_results)
 
 
 def test_relay_keeps_its_per_bucket_state_in_bucket_state(relay_results):

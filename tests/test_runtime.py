@@ -75,12 +75,23 @@ def _comm_checks(rank, n):
         [(left, got_left), (right, got_right)],
     )
     out["neighbors"] = (got_left.tolist(), got_right.tolist())
+    # the plugin's peers: a [W] long tensor, W = 1 in a job (-1: no peer, the pair skipped)
+    peer = lambda r: torch.tensor([r])  # noqa: E731
+    got_left, got_right, untouched = torch.zeros(1, 4), torch.zeros(1, 4), torch.zeros(1, 4)
+    comm.neighbor_exchange(
+        [(peer(right), torch.full((1, 4), float(rank))), (peer(left), torch.full((1, 4), -float(rank))),
+         (peer(-1), torch.ones(1, 4))],
+        [(peer(left), got_left), (peer(right), got_right), (peer(-1), untouched)],
+    )
+    out["tensor_peers"] = (got_left[0].tolist(), got_right[0].tolist(), untouched[0].tolist())
     if rank == 0:
         comm.send(torch.tensor([42.0]), dst=1)
+        comm.send(torch.tensor([43.0]), dst=torch.tensor([1]))
     elif rank == 1:
-        r = torch.zeros(1)
+        r, r2 = torch.zeros(1), torch.zeros(1)
         comm.recv(r, src=0)
-        out["recv"] = r.item()
+        comm.recv(r2, src=torch.tensor([0]))
+        out["recv"] = (r.item(), r2.item())
     group = comm.new_group([0, 1])
     if rank < 2:
         t = torch.tensor([float(rank + 1)])
@@ -102,8 +113,9 @@ def test_comm_collectives_on_four_workers():
         assert out["reduce_scatter"] == [2.0 * rank, 2.0 * rank + 1]
         assert out["broadcast"] == [3.0] * 3
         assert out["neighbors"] == ([float((rank - 1) % n)] * 4, [-float((rank + 1) % n)] * 4)
+        assert out["tensor_peers"] == ([float((rank - 1) % n)] * 4, [-float((rank + 1) % n)] * 4, [0.0] * 4)
         assert out["ids"] == (rank, n, rank, n)
-    assert results[1]["recv"] == 42.0
+    assert results[1]["recv"] == (42.0, 43.0)
     assert results[0]["subgroup"] == results[1]["subgroup"] == 3.0
 
 

@@ -90,8 +90,9 @@ def test_two_workers_train_as_the_single_process_oracle_and_checkpoint_the_error
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         saved = [v for k, v in _flatten(state) if "ef_sign_error" in k]
         assert len(saved) == 1, f"bagua_state_dict() should carry the error buffer: {[k for k, _ in _flatten(state)]}"
+        assert saved[0].shape == (1, errors[rank].numel())  # [W, L], the bucket's flat shape (W = 1 in a job)
         # The flattened bucket may order the parameters differently: compare as multisets.
-        torch.testing.assert_close(saved[0].sort().values, errors[rank].sort().values, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(saved[0][0].sort().values, errors[rank].sort().values, rtol=1e-5, atol=1e-6)
 
 
 def test_the_engine_runs_the_template_s_own_op_with_nothing_registered():

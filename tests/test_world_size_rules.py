@@ -108,7 +108,7 @@ def _resume_at_two(rank, world_size, root):
         if name == "terngrad":
             checks["error_zero"] = all(float(b.state["terngrad_error"].abs().sum()) == 0 for b in buckets)
             checks["generator_reseeded"] = torch.equal(
-                impl.rounding.generator.get_state(), torch.Generator().manual_seed(rank_seed(3, rank)).get_state())
+                impl.rounding[0].generator.get_state(), torch.Generator().manual_seed(rank_seed(3, rank)).get_state())
         if name == "low_precision_decentralized":
             checks["copies_are_the_loaded_weights"] = all(
                 torch.equal(b.state[key], b.flat_view()) for b in buckets

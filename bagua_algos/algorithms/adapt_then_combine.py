@@ -66,22 +66,16 @@ class AdaptThenCombineImpl(ModelAveragingAlgorithmImpl):
     def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
         bucket.clear_ops()  # nothing runs in backward: the gossip follows the step
         bucket.state.setdefault("exchanges", 0)
-        rows = self.rows_of(bucket, bucket.flat_view())
+        rows = bucket.flat_view()
         if self.keeps_previous:
             self.previous[bucket.name] = rows.detach().clone()
         self.init_state(bucket, rows)
-
-    def rows_of(self, bucket: BaguaBucket, flat: torch.Tensor) -> torch.Tensor:
-        """Every worker's coordinates of a bucket's flat tensor, ``[W, L]`` (a view)."""
-        if comm.is_stacked(self.process_group):
-            return flat[:, :bucket.numel]
-        return flat[..., :bucket.numel].reshape(1, bucket.numel)
 
     def init_forward_pre_hook(self, bagua_ddp: BaguaDistributedDataParallel) -> ForwardPreHook:
         def hook(inputs):
             if self.keeps_previous:
                 for bucket in bagua_ddp.bagua_buckets:
-                    self.previous[bucket.name].copy_(self.rows_of(bucket, bucket.flat_view()))
+                    self.previous[bucket.name].copy_(bucket.flat_view())
 
         return hook
 
@@ -89,7 +83,7 @@ class AdaptThenCombineImpl(ModelAveragingAlgorithmImpl):
         def hook(optimizer):
             for bucket in bagua_ddp.bagua_buckets:
                 flat = bucket.flat_view()
-                self.combine(bucket, self.rows_of(bucket, flat), optimizer)
+                self.combine(bucket, flat, optimizer)  # [W, L], a row per worker
                 bucket.state["exchanges"] += 1
                 bucket.write_flat(flat)
 

@@ -59,8 +59,8 @@ def contribution(grad: torch.Tensor, state: dict, momentum, error_feedback: bool
 
 @torch.no_grad()
 def bucket_step(settings, codec, flat: torch.Tensor, state: dict, allgather, generator=None) -> int:
-    """The step of one bucket, in place: ``flat`` (the bucket's gradients, a worker's
-    ``[N]``, or ``[W, N]`` on the one-process engine) becomes the update; ``state``
+    """The step of one bucket, in place: ``flat`` (the bucket's gradients, ``[W, N]``: a
+    row per worker, W = 1 in a job) becomes the update; ``state``
     holds the bucket's buffers (``settings.state_buffers()``, shaped as ``flat``).
     Returns the bytes a worker sent. The Bagua op and the DDP hook both run it."""
     a = contribution(flat, state, settings.momentum, settings.error_feedback, settings.error_decay)
@@ -81,7 +81,7 @@ def allgather_into_rows(messages: torch.Tensor, group) -> torch.Tensor:
     process's ``[W, B]`` messages (W = 1 in a job; the engine's n rows)."""
     n, size = comm.get_world_size(group), messages.shape[-1]
     out = torch.empty(n, size, dtype=messages.dtype, device=messages.device)
-    comm.allgather(messages if comm.is_stacked(group) else messages.reshape(-1), out, group=group)
+    comm.allgather(messages, out, group=group)
     return out
 
 
@@ -120,10 +120,8 @@ class AllgatherCompressionImpl(CountsBytes, AlgorithmImpl):
         self.settings = settings
         self._codecs: dict = {}  # bucket name → its codec
         self._optimizers_checked = False
-        generators = [settings.rank_generator(rank) for rank in self.row_ranks]
-        # (one per worker on the one-process engine, whose op runs every worker's rows)
-        self.generator = None if not settings.samples else (
-            generators if comm.is_stacked(process_group) else generators[0])
+        # a random stream per worker row (the one-process engine's op runs every worker's rows)
+        self.generators = [settings.rank_generator(rank) for rank in self.row_ranks] if settings.samples else None
         self.init_byte_counts()  # bytes_last_step, bytes_total, uncompressed_bytes_last_step
 
     def init_operations(self, bagua_ddp, bucket) -> None:
@@ -133,7 +131,7 @@ class AllgatherCompressionImpl(CountsBytes, AlgorithmImpl):
         bucket.clear_ops()
         self._codecs[bucket.name] = self.settings.make_codec(bucket.shapes, bucket.dtype)
         for name in self.settings.state_buffers():
-            zeros = bucket.flat_zeros()  # a worker's [N] (the engine: [n, N])
+            zeros = bucket.flat_zeros()  # [W, N], a row per worker
             if not (torch.is_tensor(bucket.state.get(name)) and bucket.state[name].shape == zeros.shape):
                 bucket.state[name] = zeros
         bucket.append_python_op(lambda name, b=bucket: self._run(bagua_ddp, b), group=self.process_group)
@@ -144,19 +142,22 @@ class AllgatherCompressionImpl(CountsBytes, AlgorithmImpl):
     def _run(self, bagua_ddp, bucket) -> None:
         flat = bucket.flat_view()
         sent = bucket_step(self.settings, self._codecs[bucket.name], flat, bucket.state, self._allgather,
-                           self.generator)
+                           self.generators)
         bucket.write_flat(flat)
         self.count_bytes(bagua_ddp.bagua_train_step_counter, sent, bucket.numel * flat.element_size())
 
 
     def state_dict(self) -> dict:
         state = {"bytes_total": self.bytes_total}
-        if self.generator is not None:
-            state["generator_state"] = self.generator.get_state()
+        if self.generators is not None:
+            state["generator_state"] = [g.get_state() for g in self.generators]  # a row's each
         return state
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.bytes_total = int(state.get("bytes_total", 0))
-        if self.generator is not None and state.get("generator_state") is not None:
-            self.generator.set_state(state["generator_state"].clone())
+        saved = state.get("generator_state")
+        if self.generators is not None and saved is not None:
+            # (a job's checkpoint written before the streams were a list holds one state)
+            for generator, value in zip(self.generators, saved if isinstance(saved, list) else [saved]):
+                generator.set_state(value.clone())

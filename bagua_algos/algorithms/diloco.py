@@ -68,7 +68,7 @@ import torch
 from ..arguments import check_choice, check_flag, check_int, check_real
 from ..runtime import comm
 from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry, PostOptimizerStepHook
-from ..runtime.bucket import BaguaBucket
+from ..runtime.bucket import BaguaBucket, worker_numel
 from ..runtime.ops import compressed_scatter_gather
 from .model_averaging import ModelAveragingAlgorithmImpl
 
@@ -156,8 +156,7 @@ class DiLoCoAlgorithmImpl(ModelAveragingAlgorithmImpl):
         flat = [t for group in tensors for t in group]
         if not flat:
             raise ValueError("DiLoCoAlgorithm: the module has no parameter that requires grad")
-        workers = comm.get_world_size(self.process_group) if comm.is_stacked(self.process_group) else 1
-        numels = [t.bagua_getter_closure().numel() // workers for t in flat]
+        numels = [worker_numel(t) for t in flat]  # a worker's
         groups = fragment_groups(numels, self.settings.fragments)
         return [BaguaBucket([flat[i] for i in group], flatten=do_flatten, name=f"fragment{f}")
                 for f, group in enumerate(groups)]

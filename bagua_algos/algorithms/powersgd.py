@@ -171,9 +171,11 @@ class PowerSGDAlgorithmImpl(CountsBytes, AlgorithmImpl):
 
     @staticmethod
     def _lead(bucket) -> tuple:
-        """The leading worker dimension of the bucket's tensors: none in a job, the
-        one-process engine's ``(n,)``, whose op runs every worker's rows at once."""
-        return () if bucket.workers is None else (bucket.workers,)
+        """The leading worker dimension the compression sees: ``(W,)`` for the W > 1 rows
+        of the bucket's ``[W, L]`` flat tensor, none for one row (W = 1: a job's worker),
+        whose matrices take the fused per-matrix CPU passes (and whose error buffer is
+        ``[error_numel]``). A property of the data: an engine of one worker is alike."""
+        return () if bucket.workers == 1 else (bucket.workers,)
 
     def _grads(self, bucket, flat):
         lead, out, offset = self._lead(bucket), [], 0
@@ -217,11 +219,14 @@ class PowerSGDAlgorithmImpl(CountsBytes, AlgorithmImpl):
                 out[i] = approx[..., offset : offset + plan.numel(i)].view(grads[i].shape)
             self._approx_buffers[bucket.name] = (approx, out)
 
+        rows = flat.shape[0]  # W: comm takes [W, ...] (a view of the compression's contiguous buffers)
+
         def allreduce_mean(t):
-            comm.allreduce_inplace(t, comm.ReduceOp.AVG, group=self.process_group)
+            comm.allreduce_inplace(t.view(rows, -1), comm.ReduceOp.AVG, group=self.process_group)
 
         def start_allreduce_mean(t):
-            return comm.allreduce_inplace(t, comm.ReduceOp.AVG, group=self.process_group, async_op=True)
+            return comm.allreduce_inplace(t.view(rows, -1), comm.ReduceOp.AVG, group=self.process_group,
+                                          async_op=True)
 
         result = psgd.compress_aggregate(plan, grads, state, self.options, allreduce_mean, start_allreduce_mean,
                                          out=out, p_extra=late)
@@ -239,6 +244,11 @@ class PowerSGDAlgorithmImpl(CountsBytes, AlgorithmImpl):
         state = bucket.state
         error = state["error"]
         total = error.shape[-1]  # a worker's
+
+        def start_mean(t):  # (comm takes [W, ...]: the error is [error_numel] for one row)
+            return comm.allreduce_inplace(t.view(bucket.workers, -1), comm.ReduceOp.AVG, group=self.process_group,
+                                          async_op=True)
+
         if self.settings.async_error == "full":
             piece = error
         else:
@@ -253,7 +263,7 @@ class PowerSGDAlgorithmImpl(CountsBytes, AlgorithmImpl):
                 piece = None
                 idx = torch.arange(start, end, device=error.device) % total
                 copy = error.index_select(-1, idx).contiguous()
-                handle = comm.allreduce_inplace(copy, comm.ReduceOp.AVG, group=self.process_group, async_op=True)
+                handle = start_mean(copy)
                 handle.then(lambda: error.index_copy_(error.dim() - 1, idx, copy))
                 self._async_handles[bucket.name] = handle
                 state["async_offset"] = end % total
@@ -261,10 +271,10 @@ class PowerSGDAlgorithmImpl(CountsBytes, AlgorithmImpl):
             state["async_offset"] = end % total
         if not piece.is_contiguous():  # (a slice of every worker's row: the engine)
             whole, piece = piece, piece.contiguous()
-            handle = comm.allreduce_inplace(piece, comm.ReduceOp.AVG, group=self.process_group, async_op=True)
+            handle = start_mean(piece)
             handle.then(lambda: whole.copy_(piece))
         else:
-            handle = comm.allreduce_inplace(piece, comm.ReduceOp.AVG, group=self.process_group, async_op=True)
+            handle = start_mean(piece)
         self._async_handles[bucket.name] = handle
         return piece.shape[-1] * piece.element_size()
 

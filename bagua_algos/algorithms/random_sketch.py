@@ -86,7 +86,7 @@ class RandomSketchAlgorithmImpl(CountsBytes, AlgorithmImpl):
             bucket.state.clear()
             bucket.state.update(sketch.init_state(psgd.stable_seed(self.settings.seed, names)))
             if self.settings.error_feedback:
-                bucket.state["error"] = bucket.flat_zeros()  # a worker's [N] (the engine: [n, N])
+                bucket.state["error"] = bucket.flat_zeros()  # [W, N], a row per worker
             bucket.state["plan_shapes"] = [list(s) for s in shapes]
         bucket.append_python_op(lambda name, b=bucket: self._run(bagua_ddp, b), group=self.process_group)
 

@@ -124,17 +124,16 @@ def coordinate_ranges(numel: int, parts: int) -> list[tuple[int, int]]:
 class _Tree:
     """One tree as this process's workers see it: each worker's neighbours in slots
     (``[W, D]`` group ranks, -1 where a worker has fewer than D), and the peer of each
-    slot as ``comm`` takes it (a global rank in a job; every worker's on the engine)."""
+    slot as ``comm`` takes it: every worker's global rank, a ``[W]`` long tensor (-1:
+    none)."""
 
-    def __init__(self, tree, rows: list, global_rank: list, stacked: bool):
+    def __init__(self, tree, rows: list, global_rank: list):
         neighbours = [list(tree.neighbors(i)) for i in rows]
         self.slots = max((len(nb) for nb in neighbours), default=0)
         self.neighbours = torch.tensor([nb + [-1] * (self.slots - len(nb)) for nb in neighbours],
                                        dtype=torch.long).reshape(len(rows), self.slots)
-        if stacked:
-            self.peers = [self.neighbours[:, s] for s in range(self.slots)]
-        else:
-            self.peers = [global_rank[j] for j in neighbours[0]]
+        to_global = torch.tensor(list(global_rank) + [-1], dtype=torch.long)  # (index -1: none)
+        self.peers = [to_global[self.neighbours[:, s]] for s in range(self.slots)]
         self.present = self.neighbours >= 0  # [W, D]
 
 
@@ -172,14 +171,13 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
         self.trees = self.topology.trees
         self.mode = mode
         self.drop_rate = drop_rate
-        self.stacked = comm.is_stacked(process_group)
         self.rows = self.row_ranks  # the workers this process runs: [rank], or every one on the engine
         # the simulated drops: a generator per worker
         self.generators = [torch.Generator().manual_seed(rank_seed(seed, r)) for r in self.rows]
         self.step = 0
         self.last_counts: list = [torch.ones(len(self.rows), dtype=torch.float64) for _ in self.trees]  # n̄
         self.dropped = 0
-        self._trees = [_Tree(tree, self.rows, self.global_rank_of_peer, self.stacked) for tree in self.trees]
+        self._trees = [_Tree(tree, self.rows, self.global_rank_of_peer) for tree in self.trees]
         # c_{j→i} heard last step, per tree: [W, D] float64 on the CPU (read on the host
         # every step, so on a GPU they travel over gloo beside the messages instead of
         # costing a device synchronisation)
@@ -205,17 +203,13 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
             self._messages[(bucket.name, k)] = torch.empty(shape, dtype=bucket.dtype, device=bucket.device)
         if self.mode == "world_size" and self.relays_models:
             # with_bagua broadcast the parameters before calling us: this is the common x0.
-            bucket.state["relay_x0"] = bucket.flattened_tensor()
+            bucket.state["relay_x0"] = bucket.flat_view().detach().clone()
 
     def init_post_optimizer_step_hook(self, bagua_ddp: BaguaDistributedDataParallel) -> PostOptimizerStepHook:
         def hook(optimizer):
             self.relay_step(bagua_ddp.bagua_buckets)
 
         return hook
-
-    def _rows_of(self, flat: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Every worker's coordinates [start, end) of a bucket's flat tensor, ``[W, L]``."""
-        return flat[..., start:end].reshape(len(self.rows), end - start) if not self.stacked else flat[:, start:end]
 
     def relay_step(self, buckets) -> None:
         """One RelaySum round on the parameters after the local step."""
@@ -228,7 +222,7 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
             for k, tree in enumerate(self._trees):
                 start, end = self._ranges[bucket.name][k]
                 received = bucket.state["relay_received"][k]
-                messages = relay_messages(self._rows_of(flat, start, end), received, self._messages[(bucket.name, k)])
+                messages = relay_messages(flat[:, start:end], received, self._messages[(bucket.name, k)])
                 target = self._spare[(bucket.name, k)]
                 for s, peer in enumerate(tree.peers):
                     sends.append((peer, messages[:, s]))
@@ -267,8 +261,8 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
                 self._spare[key], bucket.state["relay_received"][k] = bucket.state["relay_received"][k], arrived
                 x0 = None
                 if "relay_x0" in bucket.state:
-                    x0 = self._rows_of(bucket.state["relay_x0"], start, end)
-                relay_average(self._rows_of(flat, start, end), arrived, n_bars[k], self.mode, self.world_size, x0)
+                    x0 = bucket.state["relay_x0"][:, start:end]
+                relay_average(flat[:, start:end], arrived, n_bars[k], self.mode, self.world_size, x0)
             bucket.write_flat(flat)
         self.last_counts = n_bars
         self.step += 1
@@ -289,24 +283,22 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
 
     # --- checkpointing (the messages and x0 are in bucket.state) ----------------------
     def _count_keys(self) -> list:
-        """(tree, worker row, slot, "k/j" or "k/i/j") of every tree link."""
+        """(tree, worker row, slot, "k/i/j") of every tree link (i → j, group ranks)."""
         keys = []
         for k, tree in enumerate(self._trees):
             for w, rank in enumerate(self.rows):
                 for s in range(tree.slots):
                     j = int(tree.neighbours[w, s])
                     if j >= 0:
-                        keys.append((k, w, s, f"{k}/{j}" if not self.stacked else f"{k}/{rank}/{j}"))
+                        keys.append((k, w, s, f"{k}/{rank}/{j}"))
         return keys
 
     def state_dict(self) -> dict:
-        last = [float(c[0]) for c in self.last_counts] if not self.stacked else [c.tolist() for c in self.last_counts]
         return {
             "step": self.step,
-            "last_counts": last,
+            "last_counts": [c.tolist() for c in self.last_counts],  # per tree, a row's each
             "dropped": self.dropped,
-            "generator": (self.generators[0].get_state() if not self.stacked
-                          else [g.get_state() for g in self.generators]),
+            "generator": [g.get_state() for g in self.generators],  # a row's each
             # last step's counts c_{j→i} (per tree/neighbor)
             "received_counts": {key: float(self._heard[k][w, s]) for k, w, s, key in self._count_keys()},
         }
@@ -318,10 +310,14 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
         super().load_state_dict(state)
         if "received_counts" in state:
             keys = self._count_keys()
-            if set(state["received_counts"]) != {key for *_, key in keys}:
+            saved = state["received_counts"]
+            if len(self.rows) == 1 and set(saved) == {_old_job_key(key) for *_, key in keys}:
+                # a job's checkpoint written before the keys named the row ("k/j")
+                saved = {key: saved[_old_job_key(key)] for *_, key in keys}
+            if set(saved) != {key for *_, key in keys}:
                 raise ValueError("relay state does not match this model's topology")
             for k, w, s, key in keys:
-                self._heard[k][w, s] = float(state["received_counts"][key])
+                self._heard[k][w, s] = float(saved[key])
         self.step = int(state["step"])
         self.dropped = int(state["dropped"])
         if "last_counts" in state:
@@ -331,6 +327,12 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
             saved = state["generator"] if isinstance(state["generator"], list) else [state["generator"]]
             for generator, value in zip(self.generators, saved):
                 generator.set_state(value)
+
+
+def _old_job_key(key: str) -> str:
+    """A count's key "k/i/j" as a job's checkpoint wrote it before it named the row: "k/j"."""
+    k, _, j = key.split("/")
+    return f"{k}/{j}"
 
 
 class RelayAlgorithm(Algorithm):

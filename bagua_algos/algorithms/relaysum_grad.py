@@ -51,12 +51,12 @@ class RelaySumGradAlgorithmImpl(RelayAlgorithmImpl):
 
     def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
         super().init_operations(bagua_ddp, bucket)
-        self.previous[bucket.name] = self._rows_of(bucket.flat_view(), 0, bucket.numel).detach().clone()
+        self.previous[bucket.name] = bucket.flat_view().detach().clone()
 
     def init_forward_pre_hook(self, bagua_ddp: BaguaDistributedDataParallel) -> ForwardPreHook:
         def hook(inputs):
             for bucket in bagua_ddp.bagua_buckets:
-                self.previous[bucket.name].copy_(self._rows_of(bucket.flat_view(), 0, bucket.numel))
+                self.previous[bucket.name].copy_(bucket.flat_view())
 
         return hook
 
@@ -65,12 +65,12 @@ class RelaySumGradAlgorithmImpl(RelayAlgorithmImpl):
             buckets = bagua_ddp.bagua_buckets
             for bucket in buckets:  # the parameters hold u_t while the relay runs
                 flat = bucket.flat_view()
-                self._rows_of(flat, 0, bucket.numel).sub_(self.previous[bucket.name])
+                flat.sub_(self.previous[bucket.name])
                 bucket.write_flat(flat)
             self.relay_step(buckets)  # u → (u_t + Σ m) / n
             for bucket in buckets:
                 flat = bucket.flat_view()
-                self._rows_of(flat, 0, bucket.numel).add_(self.previous[bucket.name])
+                flat.add_(self.previous[bucket.name])
                 bucket.write_flat(flat)
 
         return hook

@@ -92,7 +92,7 @@ class SparseLoCoAlgorithmImpl(DiLoCoAlgorithmImpl):
         settings = self.settings
         self._codecs[bucket.name] = QuantizedTopKCodec(bucket.shapes, settings.chunk, settings.topk_density,
                                                        settings.bits, settings.range_sigmas)
-        zeros = bucket.flat_zeros()  # a worker's [N] (the engine: [n, N])
+        zeros = bucket.flat_zeros()  # [W, N], a row per worker
         if not (torch.is_tensor(bucket.state.get("sparseloco_error"))
                 and bucket.state["sparseloco_error"].shape == zeros.shape):
             bucket.state["sparseloco_error"] = zeros

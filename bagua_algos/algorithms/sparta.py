@@ -153,7 +153,7 @@ class SpartaAlgorithmImpl(ModelAveragingAlgorithmImpl):
         size = sum(torch.Size(shape).numel() for shape in bucket.shapes)  # a worker's (no padding)
         places = sparta_places(size, sparta_size(size, self.settings.fraction), generator)
         state["sparta_rng_state"] = generator.get_state()
-        weights = bucket.flat_view()  # a worker's [L] (the engine: [n, L])
+        weights = bucket.flat_view()  # [W, L], a row per worker
         places = places.to(weights.device)
         chosen = weights[..., places]
         comm.allreduce_inplace(chosen, comm.ReduceOp.AVG, group=self.process_group)

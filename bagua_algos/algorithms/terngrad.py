@@ -42,7 +42,6 @@ import torch
 
 from ..arguments import SEED_LIMIT, check_choice, check_flag, check_real, check_seed, rank_seed
 from ..compression import minmax
-from ..runtime import comm
 from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from ..runtime.bucket import aligned_buckets
 from ..runtime.ops import compressed_scatter_gather
@@ -109,9 +108,8 @@ class TernGradAlgorithmImpl(AlgorithmImpl):
         self.error_feedback = error_feedback
         self.clip = clip
         self.seed = seed
-        # a rank's stream; on the one-process engine one per worker (its op runs them all)
-        streams = [RoundingStream(seed, rank) for rank in self.row_ranks]
-        self.rounding = streams if comm.is_stacked(process_group) else streams[0]
+        # a stream per worker row (one in a job; the one-process engine's op runs them all)
+        self.rounding = [RoundingStream(seed, rank) for rank in self.row_ranks]
 
     def tensors_to_buckets(self, tensors: list, do_flatten: bool) -> list[BaguaBucket]:
         return aligned_buckets(tensors, do_flatten, self.world_size)  # one chunk per worker
@@ -119,7 +117,7 @@ class TernGradAlgorithmImpl(AlgorithmImpl):
     def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
         if self.error_feedback:
-            bucket.state["terngrad_error"] = bucket.flat_zeros(torch.float32)  # a worker's (the engine: [n, N])
+            bucket.state["terngrad_error"] = bucket.flat_zeros(torch.float32)  # [W, N], a row per worker
         bucket.append_python_op(lambda name: self._reduce(bucket), group=self.process_group)
 
     def _rounding_generator(self, device: torch.device) -> torch.Generator | None:
@@ -138,17 +136,16 @@ class TernGradAlgorithmImpl(AlgorithmImpl):
     def _reduce(self, bucket) -> None:
         flat = bucket.flat_view()
         with torch.no_grad():
-            v = flat.detach().float().clone()  # this worker's contribution
+            v = flat.detach().float().clone()  # every worker's contribution, [W, N]
             if self.clip is not None:
-                clip_by_std(v, self.clip)
+                clip_rows_by_std(v, self.clip)
             if self.error_feedback:
                 v.add_(bucket.state["terngrad_error"])
             result = v.clone()
             # the buckets run in a fixed order on the communication thread: reproducible keys
             generator = None
             if self.stochastic:
-                generator = ([stream.reduction_generator(result.device) for stream in self.rounding]
-                             if isinstance(self.rounding, list) else self.rounding.reduction_generator(result.device))
+                generator = [stream.reduction_generator(result.device) for stream in self.rounding]
             sent = compressed_scatter_gather(result, self.bits, True, self.process_group,
                                              stochastic=self.stochastic, generator=generator)
             if self.error_feedback:
@@ -158,17 +155,15 @@ class TernGradAlgorithmImpl(AlgorithmImpl):
         bucket.write_flat(flat)
 
     def state_dict(self) -> dict:
-        if isinstance(self.rounding, list):  # the one-process engine: every worker's stream
-            return {"generator_state": [stream.generator.get_state() for stream in self.rounding]}
-        return {"generator_state": self.rounding.generator.get_state()}
+        return {"generator_state": [stream.generator.get_state() for stream in self.rounding]}  # a row's each
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         saved = state.get("generator_state")
         if saved is None:
             return
-        for stream, value in zip(self.rounding if isinstance(self.rounding, list) else [self.rounding],
-                                 saved if isinstance(saved, list) else [saved]):
+        # (a job's checkpoint written before the streams were a list holds one state)
+        for stream, value in zip(self.rounding, saved if isinstance(saved, list) else [saved]):
             stream.generator.set_state(value.clone())
 
 

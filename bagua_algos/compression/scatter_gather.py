@@ -25,7 +25,6 @@ def scatter_gather(
     average: bool,
     *,
     n: int,
-    stacked: bool,
     alltoall: Callable[[torch.Tensor, torch.Tensor], object],
     allgather: Callable[[torch.Tensor, torch.Tensor], object],
     ranks: Ranks,
@@ -49,24 +48,25 @@ def scatter_gather(
     the first encodings and of the reduced chunk's; sums: n times the first term);
     with stochastic rounding by at most one gap each, and it is unbiased.
 
-    Written once for a leading worker dimension W: in a job ``flat`` is this worker's
-    values (W = 1); on the one-process engine (``stacked``) it is ``[n, m]``, a row per
-    worker, and every stage is one batched codec call over the W·n chunks, the
-    collectives the stacked communicator's row moves. ``generator``: the stochastic
-    rounding's generator, in a job one, on the engine a sequence of one per worker
-    (worker i draws from its own what its process draws, in its order: its n chunks,
+    Written once for a leading worker dimension W: ``flat`` is ``[W, m]``, a row per
+    worker (W = 1 in a job; on the one-process engine the n rows, the collectives then
+    the stacked communicator's row moves), or a lone worker's 1-D ``[m]``; every stage
+    is one batched codec call over the W·n chunks. ``generator``: the stochastic
+    rounding's generators, a sequence of one per row (a lone torch.Generator for W = 1;
+    worker i draws from its own what its process draws, in its order: its n chunks,
     then the chunk it reduced).
 
     ``alltoall(send, recv)`` and ``allgather(send, recv)`` are the group's collectives
     on uint8 buffers; ``ranks`` the group's global ranks, which name the workers whose
     values were not finite (:func:`raise_if_marked`).
     """
-    x = flat.detach().reshape(n if stacked else 1, -1)  # [W, m]
+    x = flat.detach().reshape(flat.shape[0] if flat.dim() > 1 else 1, -1)  # [W, m]
     width, numel = x.shape
-    generators = (list(generator) if stacked else [generator]) if stochastic else None
-    if stochastic and (generators is None or len(generators) != width or any(g is None for g in generators)):
-        raise ValueError(f"stochastic rounding needs {'one generator per worker (' + str(width) + ')' if stacked else 'a generator'}, "
-                         f"got {generator!r}")
+    generators = None
+    if stochastic:
+        generators = list(generator) if isinstance(generator, (list, tuple)) else [generator]
+        if len(generators) != width or any(g is None for g in generators):
+            raise ValueError(f"stochastic rounding needs one generator per worker ({width}), got {generator!r}")
     chunk = -(-numel // n) if numel else 0
     padded = x
     if chunk * n != numel:
@@ -74,17 +74,18 @@ def scatter_gather(
     # NaN/inf anywhere: every chunk is the mark, so every receiver sees it (see below).
     sent = encode_rows(padded.reshape(width, n, chunk), bits, generators)  # worker i's chunk j: row i·n + j
     received = torch.empty_like(sent)
-    alltoall(sent.view(width, -1) if stacked else sent, received.view(width, -1) if stacked else received)
-    # which senders' values were not finite (a batched encode marks every row for one
-    # bad row, so on the engine the workers are named from the values)
-    senders = (~torch.isfinite(x).all(dim=1)) if stacked else minmax.marked(received, n)
+    alltoall(sent.view(width, -1), received.view(width, -1))
+    # which senders' values were not finite: read from the marks; but a batched encode of
+    # several workers' rows marks every row for one bad row, and those rows are then every
+    # sender's (the one-process engine's), so they are named from the values
+    senders = (~torch.isfinite(x).all(dim=1)) if width > 1 else minmax.marked(received, n)
     # a marked chunk decodes to NaN, so the reduced chunk is marked in turn
     mine = reduce_chunks(minmax.decode_chunks(received, width * n, bits=bits, numel=chunk).view(width, n, chunk),
                          average)
     # the sum may overflow: then the reduced chunk is marked too
     own = encode_rows(mine.unsqueeze(1), bits, generators)
     gathered = own.new_empty(own.numel() // width * n)  # the same on every worker
-    allgather(own.view(width, -1) if stacked else own, gathered)
+    allgather(own.view(width, -1), gathered)
     result = minmax.decode_chunks(gathered, n, bits=bits, numel=chunk).reshape(-1)[:numel]
     raise_if_marked([(senders, "the bucket's values"), (minmax.marked(gathered, n), "the reduced chunk")], ranks)
     with torch.no_grad():

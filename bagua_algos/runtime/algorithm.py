@@ -211,9 +211,7 @@ class AlgorithmImpl:
         """The group ranks of the workers this impl runs: ``[rank]`` in a job, every
         worker's ``[0, …, n − 1]`` on the one-process engine (its tensors a row each):
         what per-worker state that is not a tensor (a random stream) is built for."""
-        if comm.is_stacked(self.process_group):
-            return list(range(comm.get_world_size(self.process_group)))
-        return [self.rank]
+        return torch.as_tensor(self.rank).reshape(-1).tolist()
 
 
 class _Registry:

@@ -42,8 +42,8 @@ from . import ops
 from .comm import stacked as comm_stacked
 from .tensor import BaguaTensor
 
-__all__ = ["BaguaBucket", "split_into_buckets", "aligned_buckets", "DEFAULT_BUCKET_SIZE", "FIRST_BUCKET_SIZE",
-           "BUCKET_SIZE_ENV", "default_bucket_size"]
+__all__ = ["BaguaBucket", "split_into_buckets", "worker_numel", "aligned_buckets", "DEFAULT_BUCKET_SIZE",
+           "FIRST_BUCKET_SIZE", "BUCKET_SIZE_ENV", "default_bucket_size"]
 
 DEFAULT_BUCKET_SIZE = 10 * 1024 * 1024  # bytes, as Bagua's default
 BUCKET_SIZE_ENV = "BAGUA_DEFAULT_BUCKET_SIZE"  # set by the launchers' --default_bucket_size
@@ -78,12 +78,15 @@ class BaguaBucket:
         module_names = {t.bagua_module_name for t in tensors}
         if len(module_names) > 1:
             raise ValueError(f"bucket {name!r}: every tensor must belong to one module, got {sorted(map(str, module_names))}")
-        # On the one-process engine every effective tensor is stacked, [n, *shape] (one
-        # row a worker): the bucket's sizes are a worker's, its flat tensors [n, numel].
+        # The bucket's flat tensors are [W, numel], a row per worker: W = 1 in a job, the
+        # n stacked workers on the one-process engine. How the effective tensors are laid
+        # out is the one thing that differs, and only here: a job's are a worker's own,
+        # [*shape]; the engine's are stacked, [n, *shape] (one row a worker).
         world = comm_stacked.active_world()
-        self.workers: Optional[int] = None if world is None else world.n
-        """None in a job; on the one-process engine, the number of stacked workers."""
-        self._lead = () if world is None else (world.n,)
+        self.workers: int = 1 if world is None else world.n
+        """W, the number of workers whose rows the bucket's flat tensors hold: 1 in a job,
+        n on the one-process engine."""
+        self._tensor_lead = () if world is None else (world.n,)  # the effective tensors' leading dims
         first = _effective_or_proxy(tensors[0])
         for tensor in tensors:
             effective = _effective_or_proxy(tensor)
@@ -108,18 +111,19 @@ class BaguaBucket:
             padding = alignment - total % alignment
             values = None if world is None else world.padding_view(self.name, _effective_or_proxy(tensors[-1]), padding)
             if values is None:
-                values = torch.zeros(*self._lead, padding, dtype=self.dtype, device=self.device)
+                values = torch.zeros(*self._tensor_lead, padding, dtype=self.dtype, device=self.device)
             self.padding_tensor = values.ensure_bagua_tensor(
                 "bagua_padding_tensor_bucket_" + name, module_name=self.bagua_module_name
             )
         self._all_tensors = tensors + ([self.padding_tensor] if self.padding_tensor is not None else [])
-        self._shapes = [_effective_or_proxy(t).shape[len(self._lead):] for t in self._all_tensors]
+        self._shapes = [_effective_or_proxy(t).shape[len(self._tensor_lead):] for t in self._all_tensors]
         self._numels = [self._worker_numel(t) for t in self._all_tensors]
         self.numel = sum(self._numels)
         """A worker's number of values (padding included)."""
         self.flatten = flatten
         self.backend_tensor: Optional[torch.Tensor] = None
-        """With ``flatten``: the buffer holding every effective tensor, in order."""
+        """With ``flatten``: the buffer holding every effective tensor, in order, ``[W, numel]``
+        (what :meth:`flat_view` returns)."""
         self.backend_bucket = self  # Bagua's algorithms hand this to ops; here it is the bucket
         self.state: dict = {}
         self._ops: list = []
@@ -130,13 +134,21 @@ class BaguaBucket:
 
     def _worker_numel(self, tensor) -> int:
         effective = _effective_or_proxy(tensor)
-        return int(effective.numel()) // (self.workers or 1)
+        return int(effective.numel()) // self.workers
 
     # --- flattening ---------------------------------------------------------------------
     def flattened_tensor(self) -> torch.Tensor:
-        """A new 1-D tensor holding the effective tensors (padding included), in order
-        (on the one-process engine ``[n, numel]``, a row per worker)."""
-        out = torch.empty(*self._lead, self.numel, dtype=self.dtype, device=self.device)
+        """Bagua's ``flattened_tensor()``: a new tensor holding the effective tensors
+        (padding included), in order, shaped as Bagua documents it: 1-D, ``[numel]``, in
+        a job (on the one-process engine ``[n, numel]``, a row per worker, as the
+        effective tensors themselves are stacked there).
+
+        Kept in Bagua's shape because Bagua's own algorithms and user code call it (a
+        ``peer_weight``, the low-precision op's weights, a snapshot to compare with) and
+        may index or reshape it as 1-D. The plugin's algorithms use :meth:`flat_view` /
+        :meth:`flat_zeros`, ``[W, numel]`` everywhere; the ops take either form
+        (``t.view(bucket.workers, bucket.numel)``)."""
+        out = torch.empty(*self._tensor_lead, self.numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for chunk, tensor in zip(self._chunks(out), self._all_tensors):
                 effective = tensor.bagua_getter_closure()
@@ -150,12 +162,13 @@ class BaguaBucket:
         """Move every effective tensor into one buffer (in place: same tensor objects)."""
         if self.check_flatten():
             first = self._all_tensors[0].bagua_getter_closure()
-            size, stride = (*self._lead, self.numel), ((first.stride(0), 1) if self.workers else (1,))
+            # a row per worker: the engine's rows lie first.stride(0) apart, a job's one row is all
+            row_stride = first.stride(0) if self._tensor_lead else self.numel
             self.backend_tensor = torch.empty(0, dtype=self.dtype, device=self.device).set_(
-                first.untyped_storage(), first.storage_offset(), size, stride)
+                first.untyped_storage(), first.storage_offset(), (self.workers, self.numel), (row_stride, 1))
             return
         buffer = self.flattened_tensor()
-        self.backend_tensor = buffer
+        self.backend_tensor = buffer.view(self.workers, self.numel)
         for tensor, chunk in zip(self._all_tensors, self._chunks(buffer)):
             if tensor.bagua_getter_closure() is None:
                 tensor.bagua_setter_closure(chunk)
@@ -172,7 +185,7 @@ class BaguaBucket:
             effective = tensor.bagua_getter_closure()
             if effective is None:
                 return False
-            if self.workers:
+            if self._tensor_lead:
                 if effective.dim() < 1 or not effective[0].is_contiguous():
                     return False
                 if row_stride is None:
@@ -195,10 +208,10 @@ class BaguaBucket:
         return [tuple(shape) for shape in self._shapes[:len(self.tensors)]]
 
     def flat_zeros(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """Zeros shaped as the bucket's flat tensor, ``[numel]`` (``[n, numel]`` on the
-        one-process engine): the home of per-worker state such as an error buffer, so
+        """Zeros shaped as the bucket's flat tensor, ``[W, numel]`` (W = 1 in a job, n on
+        the one-process engine): the home of per-worker state such as an error buffer, so
         an algorithm written once keeps a row per worker there."""
-        return torch.zeros(*self._lead, self.numel, dtype=dtype or self.dtype, device=self.device)
+        return torch.zeros(self.workers, self.numel, dtype=dtype or self.dtype, device=self.device)
 
     def bytes(self) -> int:
         """Bytes of the bucket's effective tensors (the padding excluded)."""
@@ -214,7 +227,7 @@ class BaguaBucket:
         """
         if not self.flatten:
             return
-        buffer = self.backend_tensor
+        buffer = self._as_tensors_lie(self.backend_tensor)
         with torch.no_grad():
             for tensor, view in zip(self._all_tensors, self._chunks(buffer)):
                 effective = tensor.bagua_getter_closure()
@@ -230,21 +243,22 @@ class BaguaBucket:
 
     # --- flat access (for ops and for algorithms that work on whole buckets) ----------
     def flat_view(self) -> torch.Tensor:
-        """The effective tensors as one flat tensor, ``[numel]`` in a job and ``[n, numel]``
-        on the one-process engine (a row per worker: the ``[W, L]`` the algorithms are
-        written for): ``backend_tensor`` itself when the bucket is flattened (writing to
-        it writes the tensors), else a packed copy."""
+        """The effective tensors as one ``[W, numel]`` tensor, a row per worker (W = 1 in a
+        job, n on the one-process engine): the one shape the algorithms are written for.
+        ``backend_tensor`` itself when the bucket is flattened (writing to it writes the
+        tensors), else a packed copy."""
         if self.flatten:
             self._before_ops()
             return self.backend_tensor
-        return self.flattened_tensor()
+        return self.flattened_tensor().view(self.workers, self.numel)
 
     def write_flat(self, flat: torch.Tensor) -> None:
-        """Effective tensors ← ``flat`` (a no-op when ``flat`` is ``backend_tensor``)."""
+        """Effective tensors ← ``flat`` (``[W, numel]``, or Bagua's
+        :meth:`flattened_tensor` form; a no-op when ``flat`` is ``backend_tensor``)."""
         if self.flatten and flat.data_ptr() == self.backend_tensor.data_ptr():
             return
         with torch.no_grad():
-            for chunk, tensor in zip(self._chunks(flat), self._all_tensors):
+            for chunk, tensor in zip(self._chunks(self._as_tensors_lie(flat)), self._all_tensors):
                 effective = tensor.bagua_getter_closure()
                 if effective is None:
                     tensor.bagua_setter_closure(chunk.clone())
@@ -256,6 +270,11 @@ class BaguaBucket:
         the tensor's place in ``flat`` (``[..., numel]``, e.g. a state buffer laid out
         as the bucket), shaped ``[..., *shape]``."""
         return zip(self.tensors, self._chunks(flat))
+
+    def _as_tensors_lie(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` (``[W, numel]`` or ``[numel]`` in a job) shaped as the effective tensors
+        lie, ``[*lead, numel]`` (no lead in a job; ``[n, numel]`` on the engine), a view."""
+        return flat.view(*self._tensor_lead, self.numel)
 
     def _chunks(self, flat: torch.Tensor):
         """Each effective tensor's place in ``flat`` (``[..., numel]``), as a view."""
@@ -398,6 +417,13 @@ def bucket_groups(sizes: List[int], kinds: list, bucket_size: int = DEFAULT_BUCK
     return groups
 
 
+def worker_numel(tensor) -> int:
+    """A worker's number of values of a Bagua tensor's effective tensor (on the
+    one-process engine, one row of its stacked ``[n, *shape]``)."""
+    world = comm_stacked.active_world()
+    return int(_effective_or_proxy(tensor).numel()) // (1 if world is None else world.n)
+
+
 def split_into_buckets(
     tensors: List[BaguaTensor],
     bucket_size: int = DEFAULT_BUCKET_SIZE,
@@ -406,9 +432,7 @@ def split_into_buckets(
     """Bagua's bucketing suggestion (:func:`bucket_groups`) for Bagua tensors, by the
     bytes, dtype and device of what each one communicates."""
     effective = [_effective_or_proxy(t) for t in tensors]
-    world = comm_stacked.active_world()  # on the one-process engine: a worker's bytes
-    workers = 1 if world is None else world.n
-    groups = bucket_groups([e.numel() // workers * e.element_size() for e in effective],
+    groups = bucket_groups([worker_numel(t) * e.element_size() for t, e in zip(tensors, effective)],
                            [(e.dtype, e.device) for e in effective], bucket_size, first_bucket_size)
     return [[tensors[i] for i in group] for group in groups]
 

@@ -289,6 +289,8 @@ def _load_into(target: dict, saved: dict, where: str) -> None:
     for key, value in saved.items():
         current = target.get(key)
         if torch.is_tensor(current) and torch.is_tensor(value):
+            if current.shape[:1] == (1,) and current.shape[1:] == value.shape:
+                value = value.unsqueeze(0)  # a job's per-worker state saved before it was [W, ...] (W = 1)
             if current.shape != value.shape:
                 raise ValueError(f"{where}: state {key!r} has shape {tuple(value.shape)}, expected {tuple(current.shape)}")
             current.copy_(value)

@@ -103,7 +103,7 @@ from .collectives import (allgather, allgather_inplace, allreduce, allreduce_inp
                           reduce_inplace, reduce_scatter, reduce_scatter_inplace, scatter, scatter_inplace, send)
 from . import fault_tolerance  # noqa: F401 - comm.fault_tolerance: torchft replicas (opt-in)
 from .counter import bytes_sent, reset_bytes_sent
-from .env import get_local_rank, get_local_size, get_node_rank, get_rank, get_world_size, is_initialized
+from .env import get_local_rank, get_local_size, get_node_rank, get_rank, get_world_size, is_initialized, leads_node
 from .groups import (DEFAULT_TIMEOUT, BaguaCommunicator, BaguaProcessGroup, _get_default_group, _state,  # noqa: F401
                      from_torch_group, get_backend_name, group_rank, group_ranks, inter_node_group, intra_node_group,
                      new_group)
@@ -152,6 +152,7 @@ __all__ = [
     "get_local_rank",
     "get_local_size",
     "get_node_rank",
+    "leads_node",
     # this project's extras
     "BACKEND_ENV",
     "BACKENDS",

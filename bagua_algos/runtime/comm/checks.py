@@ -42,6 +42,19 @@ def _global_rank(c: BaguaCommunicator, ranks: str, rank, what: str) -> int:
     return rank
 
 
+def _peer_rank(peer, what: str):
+    """A peer as a job's process takes it: a rank (Bagua's API), or the one worker's
+    peer as the plugin's algorithms give it everywhere, a ``[1]`` integer tensor (the
+    ``[W]`` peers of W workers, W = 1 in a job; -1: no peer, returned as None)."""
+    if isinstance(peer, torch.Tensor):
+        if peer.numel() != 1 or peer.dtype.is_floating_point or peer.dtype.is_complex or peer.dtype == torch.bool:
+            raise ValueError(f"{what}: a peer given as a tensor is every worker's peer, a [1] integer tensor in a "
+                             f"job (one worker), got {peer.dtype} of shape {tuple(peer.shape)}")
+        peer = int(peer.reshape(()))
+        return None if peer == -1 else peer
+    return peer
+
+
 def _check_tensor(name: str, t, contiguous: bool = True) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -7,7 +7,7 @@ from . import stacked as _stacked
 import torch
 import torch.distributed as dist
 
-from .checks import _check_same_dtype, _check_tensor, _counts, _global_rank, _reduce_op, _regions, _target
+from .checks import _check_same_dtype, _check_tensor, _counts, _global_rank, _peer_rank, _reduce_op, _regions, _target
 from ...arguments import check_int
 from .counter import _count, _nbytes
 from .env import get_rank
@@ -457,12 +457,13 @@ def barrier(comm=None, *, group=None, async_op: bool = False):
 
 @_stacked.dispatch(_stacked._refuse_send)
 def send(tensor: torch.Tensor, dst: int, comm=None, *, group=None, async_op: bool = False):
-    """Send ``tensor`` to rank ``dst`` (blocking unless ``async_op``)."""
+    """Send ``tensor`` to rank ``dst`` (an int, or a ``[1]`` long tensor: one worker's
+    peer) (blocking unless ``async_op``)."""
     c, ranks = _target(comm, group, "send")
     if not c.is_member():
         return _skip(async_op)
     _check_tensor("tensor", tensor)
-    dst = _global_rank(c, ranks, dst, "dst")
+    dst = _global_rank(c, ranks, _peer_rank(dst, "dst"), "dst")
     if dst == get_rank():
         raise ValueError(f"dst={dst} is this process's own rank; send to another rank")
     _count(_nbytes(tensor))
@@ -473,12 +474,13 @@ def send(tensor: torch.Tensor, dst: int, comm=None, *, group=None, async_op: boo
 
 @_stacked.dispatch(_stacked._refuse_recv)
 def recv(tensor: torch.Tensor, src: int, comm=None, *, group=None, async_op: bool = False):
-    """Receive ``tensor`` from rank ``src`` (blocking unless ``async_op``)."""
+    """Receive ``tensor`` from rank ``src`` (an int, or a ``[1]`` long tensor: one
+    worker's peer) (blocking unless ``async_op``)."""
     c, ranks = _target(comm, group, "recv")
     if not c.is_member():
         return _skip(async_op)
     _check_tensor("tensor", tensor)
-    src = _global_rank(c, ranks, src, "src")
+    src = _global_rank(c, ranks, _peer_rank(src, "src"), "src")
     if src == get_rank():
         raise ValueError(f"src={src} is this process's own rank; receive from another rank")
     st = _Staging(c)

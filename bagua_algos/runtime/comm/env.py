@@ -72,6 +72,15 @@ def get_local_rank() -> int:
     return _env_int("LOCAL_RANK", get_rank() if is_initialized() else 0)
 
 
+@_stacked.dispatch(_stacked.leads_node)
+def leads_node() -> bool:
+    """Whether this process's workers lead their node in Bagua's hierarchical pattern
+    (local rank 0: reduce within the node, the leaders' work, broadcast back). On the
+    one-process engine, whose workers are one node in one process, True: its rows do
+    the leader's work together."""
+    return get_local_rank() == 0
+
+
 @_stacked.dispatch(_stacked.get_local_size)
 def get_local_size() -> int:
     """Number of processes on this node (LOCAL_WORLD_SIZE; default 1 before

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .checks import GLOBAL_RANKS, _check_tensor, _global_rank, _target
+from .checks import GLOBAL_RANKS, _check_tensor, _global_rank, _peer_rank, _target
 from .counter import _count, _nbytes
 from .env import _require_init, get_rank
 from .groups import _as_communicator
@@ -27,7 +27,9 @@ def start_neighbor_exchange(
 
     ``sends`` and ``recvs`` map a peer's global rank to a tensor (or are lists of
     ``(peer, tensor)`` pairs when a peer gets several tensors; pairs to the same peer
-    are matched in posting order). Returns a handle; ``wait()`` blocks until all are
+    are matched in posting order). A peer is an int or, as the plugin's algorithms
+    give it on every backend, the ``[W]`` long tensor of its workers' peers, here
+    ``[1]`` (-1: no peer, the pair is skipped). Returns a handle; ``wait()`` blocks until all are
     done. A pair with this process's own rank is a local copy. When every tensor is a
     CUDA tensor of a group with NCCL, the step is one ``batch_isend_irecv`` (NCCL groups
     its sends and receives, so no order of posting can deadlock); otherwise each send
@@ -47,7 +49,11 @@ def start_neighbor_exchange(
     for kind, items in (("sends", send_items), ("recvs", recv_items)):
         for i, (peer, t) in enumerate(items):
             _check_tensor(f"{kind}[{i}] tensor", t)
-            _global_rank(c, GLOBAL_RANKS, peer, f"{kind}[{i}] peer")
+            peer = items[i] = _peer_rank(peer, f"{kind}[{i}] peer"), t
+            if peer[0] is not None:
+                _global_rank(c, GLOBAL_RANKS, peer[0], f"{kind}[{i}] peer")
+    send_items = [(p, t) for p, t in send_items if p is not None]  # (a [1] peer of -1: none)
+    recv_items = [(p, t) for p, t in recv_items if p is not None]
     me = get_rank()
     own_sends = [t for peer, t in send_items if peer == me]
     own_recvs = [t for peer, t in recv_items if peer == me]

@@ -43,9 +43,7 @@ class CentralizedSynchronousOp:
         if compression is not None and self.hierarchical:
             # Node groups are created collectively: here, on every rank, not on first use.
             self._intra = comm.intra_node_group()
-            # (the one-process engine's workers are one node: its rows all lead it)
-            leads = comm.is_stacked(group) or comm.get_local_rank() == 0
-            self._leaders = comm.inter_node_group() if leads else None
+            self._leaders = comm.inter_node_group() if comm.leads_node() else None
 
     def __call__(self, bucket) -> None:
         if self.local_only:
@@ -75,12 +73,15 @@ class CentralizedSynchronousOp:
             flat.copy_(x)
 
     def _reduce_scatter_gather(self, flat: torch.Tensor) -> None:
-        """Each worker reduces one chunk, then every worker gathers all chunks."""
+        """Each worker reduces one chunk, then every worker gathers all chunks
+        (``flat``: ``[W, L]``, a row per worker)."""
         size = comm.get_world_size(self.group)
-        chunk = -(-flat.numel() // size)
-        padded = flat if chunk * size == flat.numel() else torch.cat([flat, flat.new_zeros(chunk * size - flat.numel())])
-        mine = flat.new_empty(chunk)
+        width, numel = flat.shape
+        chunk = -(-numel // size)
+        padded = flat if chunk * size == numel and flat.is_contiguous() else torch.cat(
+            [flat, flat.new_zeros(width, chunk * size - numel)], dim=1)
+        mine = flat.new_empty(width, chunk)
         comm.reduce_scatter(padded, mine, self.op, group=self.group)
         comm.allgather(mine, padded, group=self.group)
         if padded is not flat:
-            flat.copy_(padded[: flat.numel()])
+            flat.copy_(padded[:, :numel])

@@ -110,7 +110,7 @@ class DecentralizedSynchronousOp:
             self._state["decentralized_exchanges"] += 1
             return
         x = effective(self.peer_weight)
-        x.copy_(bucket.flat_view())
+        x.copy_(bucket.flat_view().view_as(x))  # (peer_weight: Bagua's flattened_tensor(), [L] in a job)
         within_nodes(x, lambda x: self._gossip(x, self.step), self._intra_if_hierarchical(), self.is_leader)
         self._state["decentralized_exchanges"] += 1
 

@@ -72,7 +72,7 @@ class LowPrecisionDecentralizedSynchronousOp:
             raise ValueError(f"compression must be 'MinMaxUInt8' for the low-precision decentralized op, got {compression!r}")
         for name, t in (("weight", weight), ("left_peer_weight", left_peer_weight),
                         ("right_peer_weight", right_peer_weight)):
-            if not torch.is_tensor(t) or effective(t).numel() != bucket.numel * (bucket.workers or 1):
+            if not torch.is_tensor(t) or effective(t).numel() != bucket.numel * bucket.workers:
                 raise ValueError(
                     f"{name} must be a tensor of the bucket's {bucket.numel} elements "
                     "(bucket.flattened_tensor().ensure_bagua_tensor(...) makes one), got "
@@ -83,13 +83,11 @@ class LowPrecisionDecentralizedSynchronousOp:
         self.hierarchical = bool(hierarchical)
         self.compression = compression
         self.group = group
-        # the one-process engine: one node whose rows all lead it; the ranks are the rows
-        self.stacked = comm.is_stacked(group)
         if self.hierarchical:
             if not is_whole_world(group):
                 raise ValueError("hierarchical=True gossips between nodes of all workers; use the default group")
             self._intra = comm.intra_node_group()
-            self.is_leader = self.stacked or comm.get_local_rank() == 0
+            self.is_leader = comm.leads_node()
             local = comm.get_local_size()
             self.peer_ranks = list(range(0, comm.get_world_size(), local))
             my_index = comm.get_node_rank()
@@ -98,17 +96,18 @@ class LowPrecisionDecentralizedSynchronousOp:
             self.is_leader = True
             self.peer_ranks = comm.group_ranks(group)
             my_index = comm.group_rank(group)
-        left, right = ring_peers(my_index, len(self.peer_ranks))  # (the rows' [n] tensors on the engine)
-        if torch.is_tensor(left):
-            ranks = torch.tensor(self.peer_ranks)
-            self.left_rank, self.right_rank = ranks[left], ranks[right]
-        else:
-            self.left_rank, self.right_rank = self.peer_ranks[left], self.peer_ranks[right]
-        self._me = comm.get_rank()
+        # every peer a [W] long tensor of global ranks (a worker's ring neighbours, W = 1 in a job)
+        left, right = ring_peers(my_index, len(self.peer_ranks))
+        ranks = torch.tensor(self.peer_ranks)
+        self.left_rank = ranks[torch.as_tensor(left)].reshape(-1)
+        self.right_rank = ranks[torch.as_tensor(right)].reshape(-1)
+        self._me = torch.as_tensor(comm.get_rank()).reshape(-1)
         self._state = bucket.state
-        self._state["low_precision_weight"] = effective(weight)
-        self._state["low_precision_left_peer_weight"] = effective(left_peer_weight)
-        self._state["low_precision_right_peer_weight"] = effective(right_peer_weight)
+        # [W, L] views of the weights (Bagua's flattened_tensor() is [L] in a job): the same storage
+        shape = (bucket.workers, bucket.numel)
+        self._state["low_precision_weight"] = effective(weight).view(shape)
+        self._state["low_precision_left_peer_weight"] = effective(left_peer_weight).view(shape)
+        self._state["low_precision_right_peer_weight"] = effective(right_peer_weight).view(shape)
 
     def __call__(self, bucket) -> None:
         flat = bucket.flat_view()
@@ -141,13 +140,11 @@ class LowPrecisionDecentralizedSynchronousOp:
         right = self._state["low_precision_right_peer_weight"]
         with torch.no_grad():
             z = low_precision_difference(x, w, *((left, right) if len(self.peer_ranks) > 1 else ()))
-            # one encoding (one header) a worker: W = 1 in a job, the n rows on the engine
-            width = z.shape[0] if self.stacked else 1
-            rows = z.reshape(width, -1)
+            # one encoding (one header) a worker: z is [W, L] (W = 1 in a job, the n rows on the engine)
+            rows = z
+            width = rows.shape[0]
             # NaN/inf: the mark; tell the neighbours, then raise with them (compression.scatter_gather)
-            mine = minmax.encode_chunks(rows, MINMAX_UINT8_BITS, non_finite="mark")
-            if self.stacked:
-                mine = mine.view(width, -1)
+            mine = minmax.encode_chunks(rows, MINMAX_UINT8_BITS, non_finite="mark").view(width, -1)
 
             def decode(buf):
                 return minmax.decode_chunks(buf.reshape(-1), width, bits=MINMAX_UINT8_BITS,
@@ -156,14 +153,17 @@ class LowPrecisionDecentralizedSynchronousOp:
             def marked(buf):
                 return minmax.marked(buf.reshape(-1), width)
 
-            ranks = (lambda r: r.tolist()) if self.stacked else (lambda r: [r])  # noqa: E731
+            def ranks(r):
+                return r.tolist()
+
             if len(self.peer_ranks) > 1:
                 from_left, from_right = torch.empty_like(mine), torch.empty_like(mine)
                 # Two messages to the same peer when n = 2: they pair up in posting order.
                 comm.neighbor_exchange([(self.left_rank, mine), (self.right_rank, mine)],
                                        [(self.left_rank, from_left), (self.right_rank, from_right)],
                                        group=self.group)
-                if self.stacked:  # (a batched encode marks every row for one bad row: named from the values)
+                if width > 1:  # (a batched encode of several workers' rows marks every row for one
+                    # bad row: they are then every ring member's, named from the values)
                     bad = ~torch.isfinite(rows).all(dim=1)
                     marks = torch.cat([bad[self.left_rank], bad[self.right_rank], bad])
                 else:

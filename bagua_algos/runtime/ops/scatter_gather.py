@@ -27,11 +27,12 @@ def compressed_scatter_gather(
     stages, bounds and stacked form are
     :func:`bagua_algos.compression.scatter_gather.scatter_gather`'s, run here over
     ``group``'s all-to-all and all-gather (on the one-process engine, a stacked group,
-    the stacked communicator's row moves). ``generator``: the stochastic rounding's
-    generator, in a job one, on the engine a sequence of one per worker.
+    the stacked communicator's row moves). ``flat``: ``[W, L]``, a row per worker (or
+    a lone worker's ``[L]``). ``generator``: the stochastic rounding's generators, one
+    per row (a lone torch.Generator for one row).
     """
     return scatter_gather(
-        flat, bits, average, n=comm.get_world_size(group), stacked=comm.is_stacked(group),
+        flat, bits, average, n=comm.get_world_size(group),
         alltoall=lambda send, recv: comm.alltoall(send, recv, group=group),
         allgather=lambda send, recv: comm.allgather(send, recv, group=group),
         ranks=lambda: comm.group_ranks(group), stochastic=stochastic, generator=generator)

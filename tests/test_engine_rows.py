@@ -9,9 +9,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from bagua_algos.runtime.gossip import NeighbourMix
+from bagua_algos.runtime.gossip import StackedMix
 from bagua_algos.runtime.rows import MAX_RUNS, RowGather, arithmetic_runs
-from bagua_algos.runtime.topology import resolve_topology
+from bagua_algos.runtime.topology import NeighbourTable, resolve_topology
 
 
 def _loop(out, src, index, weight=None, copy=False):
@@ -72,7 +72,7 @@ def test_the_gossip_mix_is_the_rows_formula(topology):
         expected[i] = x[i] * weights[i]
         for j in top.neighbors(i):
             expected[i:i + 1].addcmul_(x[j:j + 1], torch.tensor([[weights[j]]]))
-    mix = NeighbourMix(top, "cpu")
+    mix = StackedMix(NeighbourTable(top, range(top.world_size)))
     spare = torch.empty_like(x)
     assert torch.equal(mix.mix(x, spare), expected)
     # the form alternates storages: the result as the next x, the old x as the next out

@@ -37,7 +37,7 @@ import torch
 from ..arguments import check_choice, check_real, check_seed, rank_seed
 from ..runtime import comm
 from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry, PostOptimizerStepHook
-from ..runtime.topology import check_topology_arg, resolve_topology
+from ..runtime.topology import NeighbourTable, check_topology_arg, resolve_topology
 from .model_averaging import ModelAveragingAlgorithmImpl
 
 if TYPE_CHECKING:
@@ -127,14 +127,12 @@ class _Tree:
     slot as ``comm`` takes it (a global rank in a job; every worker's on the engine)."""
 
     def __init__(self, tree, rows: list, global_rank: list, stacked: bool):
-        neighbours = [list(tree.neighbors(i)) for i in rows]
-        self.slots = max((len(nb) for nb in neighbours), default=0)
-        self.neighbours = torch.tensor([nb + [-1] * (self.slots - len(nb)) for nb in neighbours],
-                                       dtype=torch.long).reshape(len(rows), self.slots)
+        table = NeighbourTable(tree, rows)  # the gossip's table; relay reads its slots only
+        self.slots, self.neighbours = table.slots, table.neighbours
         if stacked:
             self.peers = [self.neighbours[:, s] for s in range(self.slots)]
         else:
-            self.peers = [global_rank[j] for j in neighbours[0]]
+            self.peers = [global_rank[j] for j in tree.neighbors(rows[0])]
         self.present = self.neighbours >= 0  # [W, D]
 
 

@@ -97,10 +97,10 @@ class Gossip:
         self.accelerator: Optional[StackedMix] = None
         self.table = None
         if topology is None or self.members == 1:
-            self.slots = 0 if topology is not None else None
+            self.slots = 0  # an allreduce, or nothing: no receive slot
             return
         if topology.time_varying:
-            self.slots = 1
+            self.slots = 1  # one peer in per exchange
             return
         self.table = NeighbourTable(topology, self.rows)
         self.slots = self.table.slots

@@ -343,3 +343,24 @@ def test_the_engines_delivery_is_the_exchange_of_built_messages(tree, n):
         assert torch.equal(by_delivery, by_exchange)
         absent = ~shape_tree.present
         assert bool((by_delivery[absent] == 7.0).all())
+
+
+@pytest.mark.parametrize("tree", ["binary_tree", "star"])
+@pytest.mark.parametrize("mode", ["count", "world_size"])
+def test_the_engines_average_skips_only_the_zero_slots(tree, mode):
+    """On the engine the average adds slot s only on the rows that have it (the others
+    hold zeros): the same values as adding every slot."""
+    n = 13
+    topology = _star(n) if tree == "star" else resolve_topology(tree, n, require_tree=True)
+    shape_tree = _Tree(topology, list(range(n)), list(range(n)), stacked=True)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, 29, generator=g)
+    received = torch.randn(n, shape_tree.slots, 29, generator=g) * shape_tree.present.unsqueeze(2)
+    n_bar = 1.0 + torch.randint(0, n, (n,), generator=g).double()
+    x0 = torch.randn(n, 29, generator=g) if mode == "world_size" else None
+    every, skipping = x.clone(), x.clone()
+    relay_average(every, received, n_bar, mode, n, x0)
+    slot_rows = _StackedDelivery(shape_tree.neighbours).slot_rows("cpu")
+    assert slot_rows[0] is None and all(rows is not None for rows in slot_rows[1:])
+    relay_average(skipping, received, n_bar, mode, n, x0, slot_rows)
+    assert torch.equal(skipping, every)

@@ -90,14 +90,20 @@ def relay_messages(x: torch.Tensor, received: torch.Tensor, out: torch.Tensor) -
 
 
 def relay_average(x: torch.Tensor, received: torch.Tensor, n_bar: torch.Tensor, mode: str, world_size: int,
-                  x0: torch.Tensor | None) -> None:
+                  x0: torch.Tensor | None, slot_rows: list | None = None) -> None:
     """x ← the relay average of x (= x½, ``[W, L]``) and the ``received`` messages
     (``[W, D, L]``, lost and absent ones zero), in place: (x + Σ m) / n̄ in mode "count",
     (x + Σ m + (n − n̄)·x0) / n in mode "world_size" (``x0`` None: zero, as for relayed
     updates). ``n_bar``: each worker's count,
-    ``[W]`` float64."""
+    ``[W]`` float64. ``slot_rows`` (the engine): per slot, the
+    :class:`~bagua_algos.runtime.rows.RowGather` of the rows that have that slot, None
+    for every row; the others hold zeros there (no neighbour), a term their processes,
+    whose slots are their own neighbours, do not add."""
     for s in range(received.shape[1]):
-        x.add_(received[:, s])
+        if slot_rows is None or slot_rows[s] is None:
+            x.add_(received[:, s])
+        else:
+            slot_rows[s].add_(x, received[:, s])
     if mode == "count":
         x.div_(n_bar.to(device=x.device, dtype=x.dtype).unsqueeze(1))
         return
@@ -167,6 +173,18 @@ class _StackedDelivery:
             for q, index in sorted(by_sender_slot.items()):
                 self.groups.append((s, index, [t for t in range(slots) if t != q]))
         self._gathers: dict = {}  # device → a RowGather per group
+        # per slot, the rows that have it (None: every row), for relay_average
+        self._present = [None if all(row[s] >= 0 for row in table) else
+                         [i if row[s] >= 0 else None for i, row in enumerate(table)] for s in range(slots)]
+        self._slot_rows: dict = {}  # device → a RowGather (or None) per slot
+
+    def slot_rows(self, device) -> list:
+        """Per slot, the :class:`~bagua_algos.runtime.rows.RowGather` of the rows that have
+        it (row i from row i), None where every row has it."""
+        key = str(device)
+        if key not in self._slot_rows:
+            self._slot_rows[key] = [None if rows is None else RowGather(rows, device) for rows in self._present]
+        return self._slot_rows[key]
 
     def deliver(self, x: torch.Tensor, received: torch.Tensor, target: torch.Tensor) -> None:
         """target[i, s] ← m_{j→i} = x_j + Σ_{t≠q} received[j, t] (``x`` ``[W, L]``, the
@@ -326,7 +344,9 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
                 x0 = None
                 if "relay_x0" in bucket.state:
                     x0 = self._rows_of(bucket.state["relay_x0"], start, end)
-                relay_average(self._rows_of(flat, start, end), arrived, n_bars[k], self.mode, self.world_size, x0)
+                slot_rows = None if self._delivery is None else self._delivery[k].slot_rows(arrived.device)
+                relay_average(self._rows_of(flat, start, end), arrived, n_bars[k], self.mode, self.world_size, x0,
+                              slot_rows)
             bucket.write_flat(flat)
         self.last_counts = n_bars
         self.step += 1

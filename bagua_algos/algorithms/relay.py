@@ -159,7 +159,8 @@ class _StackedDelivery:
 
     The plan, per receive slot s and sender slot q: the rows i whose s-th neighbour j has
     i in its slot q, as a :class:`~bagua_algos.runtime.rows.RowGather` i → j (a tree's
-    rows are a few arithmetic runs: a few strided passes each)."""
+    rows are a few arithmetic runs: a few strided passes each). :meth:`slot_rows` gives
+    :func:`relay_average` the rows that have each slot, so it adds no zero slot."""
 
     def __init__(self, neighbours: torch.Tensor):
         table, slots = neighbours.tolist(), neighbours.shape[1]

@@ -19,8 +19,9 @@ import torch
 import cuda_ext
 from bagua_algos.algorithms import DecentralizedAlgorithm
 from bagua_algos.engine import Engine
-from bagua_algos.runtime.gossip import NeighbourMix
+from bagua_algos.runtime.gossip import StackedMix
 from bagua_algos.runtime.rows import engine_cpu_passes, torch_passes_only
+from bagua_algos.runtime.topology import NeighbourTable
 from topologies import available_topologies, get_topology
 
 
@@ -72,11 +73,11 @@ def test_mix_is_w_times_x(module, name, n, d):
     """In place, x ← W x, against the dense product in float64: every row (each worker
     with all its neighbours, however many), blocks of columns and partial vectors."""
     topology = get_topology(name, n)
-    mix = NeighbourMix(topology, "cpu")
+    mix = StackedMix(NeighbourTable(topology, range(topology.world_size)))
     x = torch.randn(n, d, dtype=torch.float64, generator=torch.Generator().manual_seed(n * 1000 + d))
     expected = _dense_w(topology) @ x
     got = x.clone()
-    assert mix.mix_in_place_(got)
+    assert mix.mix_compiled_(got)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
@@ -86,7 +87,7 @@ def test_mix_equals_the_torch_passes_on_strided_rows(module, dtype, threads):
     """Rows any distance apart (a column slice of a wider tensor), both dtypes, one and
     two threads: the compiled mix writes what the torch passes write, and nothing else."""
     topology = get_topology("exponential", 16)
-    mix = NeighbourMix(topology, "cpu")
+    mix = StackedMix(NeighbourTable(topology, range(topology.world_size)))
     wide = torch.randn(16, 3000, generator=torch.Generator().manual_seed(7)).to(dtype)
     x = wide[:, 100:2900]
     expected = mix.mix(x, torch.empty_like(x))
@@ -94,7 +95,7 @@ def test_mix_equals_the_torch_passes_on_strided_rows(module, dtype, threads):
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert mix.mix_in_place_(x)
+        assert mix.mix_compiled_(x)
     finally:
         torch.set_num_threads(old_threads)
     if BIT_FOR_BIT:

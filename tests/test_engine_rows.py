@@ -9,9 +9,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from bagua_algos.runtime.gossip import NeighbourMix
-from bagua_algos.runtime.rows import MAX_RUNS, RowGather, arithmetic_runs
-from bagua_algos.runtime.topology import resolve_topology
+from bagua_algos.runtime.gossip import StackedMix
+from bagua_algos.runtime.rows import MAX_RUNS, RowGather, arithmetic_runs, run_calls
+from bagua_algos.runtime.topology import NeighbourTable, resolve_topology
 
 
 def _loop(out, src, index, weight=None, copy=False):
@@ -38,6 +38,14 @@ def test_a_gather_equals_the_row_by_row_loop(rows, sources, data):
     assert torch.equal(gather.add_(out.clone(), src), _loop(out, src, index))
     assert torch.equal(gather.add_(out.clone(), src, weight), _loop(out, src, index, weight))
     assert torch.equal(gather.copy_(out.clone(), src), _loop(out, src, index, copy=True))
+    other = torch.randn(sources, 5, generator=g)  # out[r] = src[i] + other[i]: one add a row
+    summed = _loop(out, src, index, copy=True)
+    for r, i in enumerate(index):
+        if i is not None:
+            summed[r] = torch.add(src[i], other[i])
+    got = out.clone()
+    run_calls(gather.sum_calls(got, src, other))
+    assert torch.equal(got, summed)
 
 
 @settings(max_examples=150, deadline=None)
@@ -72,7 +80,7 @@ def test_the_gossip_mix_is_the_rows_formula(topology):
         expected[i] = x[i] * weights[i]
         for j in top.neighbors(i):
             expected[i:i + 1].addcmul_(x[j:j + 1], torch.tensor([[weights[j]]]))
-    mix = NeighbourMix(top, "cpu")
+    mix = StackedMix(NeighbourTable(top, range(top.world_size)))
     spare = torch.empty_like(x)
     assert torch.equal(mix.mix(x, spare), expected)
     # the form alternates storages: the result as the next x, the old x as the next out

@@ -17,7 +17,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from bagua_algos.algorithms import RelayAlgorithm
-from bagua_algos.algorithms.relay import relay_average, relay_counts, relay_messages
+from bagua_algos.algorithms.relay import _StackedDelivery, _Tree, relay_average, relay_counts, relay_messages
+from bagua_algos.runtime import comm
+from bagua_algos.runtime.comm.stacked import StackedGroup, count_neighbor_exchange, stacked_world
 from bagua_algos.runtime.topology import check_topology_arg, resolve_topology
 from topologies import Topology
 
@@ -297,3 +299,68 @@ def test_relaysum_on_random_trees_gives_the_exact_average(parents, seed):
             assert n_bar == n
             assert torch.equal(x, mean)
 
+
+
+# ------------------------------------------------------------ the engine's delivery
+
+
+def _star(n):
+    class Star(Topology):
+        name = "star"
+
+        def _candidate_neighbors(self, rank):
+            return list(range(1, self.world_size)) if rank == 0 else [0]
+
+    return Star(n)
+
+
+@pytest.mark.parametrize("tree", ["chain", "binary_tree", "double_binary_tree", "star"])
+@pytest.mark.parametrize("n", [2, 5, 13, 64])
+def test_the_engines_delivery_is_the_exchange_of_built_messages(tree, n):
+    """On the engine relay builds each message in the receive slot it arrives in
+    (``_StackedDelivery``): the same bits as relay_messages then comm's stacked neighbour
+    exchange, for every tree of a topology (its padded slots holding values too), with
+    the same bytes counted, and nothing written to a row's absent slots."""
+    topology = _star(n) if tree == "star" else resolve_topology(tree, n, require_tree=True)
+    world = StackedGroup(n)
+    g = torch.Generator().manual_seed(n)
+    for t in topology.trees:
+        shape_tree = _Tree(t, list(range(n)), list(range(n)))
+        slots = shape_tree.slots
+        x = torch.randn(n, 41, generator=g)
+        received = torch.randn(n, slots, 41, generator=g)
+        by_exchange = torch.full((n, slots, 41), 7.0)
+        by_delivery = by_exchange.clone()
+        messages = relay_messages(x, received, torch.empty(n, slots, 41))
+        with stacked_world(world):
+            comm.reset_bytes_sent()
+            comm.neighbor_exchange([(p, messages[:, s]) for s, p in enumerate(shape_tree.peers)],
+                                   [(p, by_exchange[:, s]) for s, p in enumerate(shape_tree.peers)], group=world)
+            exchanged = comm.reset_bytes_sent()
+            _StackedDelivery(shape_tree.neighbours).deliver(x, received, by_delivery)
+            count_neighbor_exchange(world, [(p, x) for p in shape_tree.peers])
+            assert comm.reset_bytes_sent() == exchanged
+        assert torch.equal(by_delivery, by_exchange)
+        absent = ~shape_tree.present
+        assert bool((by_delivery[absent] == 7.0).all())
+
+
+@pytest.mark.parametrize("tree", ["binary_tree", "star"])
+@pytest.mark.parametrize("mode", ["count", "world_size"])
+def test_the_engines_average_skips_only_the_zero_slots(tree, mode):
+    """On the engine the average adds slot s only on the rows that have it (the others
+    hold zeros): the same values as adding every slot."""
+    n = 13
+    topology = _star(n) if tree == "star" else resolve_topology(tree, n, require_tree=True)
+    shape_tree = _Tree(topology, list(range(n)), list(range(n)))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, 29, generator=g)
+    received = torch.randn(n, shape_tree.slots, 29, generator=g) * shape_tree.present.unsqueeze(2)
+    n_bar = 1.0 + torch.randint(0, n, (n,), generator=g).double()
+    x0 = torch.randn(n, 29, generator=g) if mode == "world_size" else None
+    every, skipping = x.clone(), x.clone()
+    relay_average(every, received, n_bar, mode, n, x0)
+    slot_rows = _StackedDelivery(shape_tree.neighbours).slot_rows("cpu")
+    assert slot_rows[0] is None and all(rows is not None for rows in slot_rows[1:])
+    relay_average(skipping, received, n_bar, mode, n, x0, slot_rows)
+    assert torch.equal(skipping, every)

@@ -1,7 +1,8 @@
 """Communication topologies for decentralized training (pure Python)."""
 
 from .base import Topology
-from .gossip import ExponentialTopology, FullyConnectedTopology, OnePeerExponentialTopology, RingTopology
+from .gossip import (ExponentialTopology, FullyConnectedTopology, OnePeerExponentialTopology, RingTopology,
+                     ShiftOneTopology, shift_one_peer)
 from .registry import available_topologies, get_topology
 from .trees import (
     BinaryTreeTopology,
@@ -20,6 +21,8 @@ __all__ = [
     "FullyConnectedTopology",
     "ExponentialTopology",
     "OnePeerExponentialTopology",
+    "ShiftOneTopology",
+    "shift_one_peer",
     "available_topologies",
     "get_topology",
 ]

@@ -30,8 +30,9 @@ class Topology:
     """
 
     name = "topology"
-    # A time-varying topology (OnePeerExponentialTopology) names each exchange's peers
-    # (out_peer / in_peer); its neighbours are their union over a period.
+    # A time-varying topology (OnePeerExponentialTopology, ShiftOneTopology) names each
+    # exchange's peers (out_peer(rank, step) / in_peer(rank, step)); its neighbours are
+    # their union over a period.
     time_varying = False
 
     def __init__(self, world_size):

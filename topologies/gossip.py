@@ -1,4 +1,5 @@
-"""Gossip topologies (graphs with cycles): ring, fully connected, exponential."""
+"""Gossip topologies (graphs with cycles): ring, fully connected, exponential, and the
+two time-varying pairings: the one-peer exponential graph and Bagua's shift_one."""
 
 from .base import Topology
 
@@ -80,3 +81,56 @@ class OnePeerExponentialTopology(ExponentialTopology):
     def in_peer(self, rank, step):
         """The rank ``rank`` receives from at exchange ``step``."""
         return (self._check_rank(rank) - self.hop(step)) % self.world_size
+
+
+def shift_one_peer(rank, world_size, step):
+    """Bagua's shift_one pairing at exchange ``step`` (counted from 0), n even.
+
+    Ranks below n/2 pair with the upper half: r ↦ ((step + r) mod n/2) + n/2, and
+    r ≥ n/2 ↦ (r − n/2 − step) mod n/2, the inverse map, so the pairs are symmetric.
+    """
+    if world_size % 2:
+        raise ValueError(f"shift_one needs an even number of workers, got {world_size}")
+    half = world_size // 2
+    if rank < half:
+        return (step + rank) % half + half
+    return (rank - half - step) % half
+
+
+class ShiftOneTopology(Topology):
+    """Bagua's ``peer_selection_mode="shift_one"`` as a time-varying topology: at exchange
+    ``t`` rank ``r`` pairs with :func:`shift_one_peer` ``(r, n, t)``; the pairing is
+    symmetric, so a rank sends to and receives from the same peer
+    (``out_peer == in_peer``), and each exchange's mixing matrix ``(I + P_t) / 2`` is
+    doubly stochastic. Its neighbours (the union over the period n/2) are the other half
+    of the ranks. Not registered by name: Bagua selects it with its peer selection mode.
+    """
+
+    name = "shift_one"
+    time_varying = True
+
+    def __init__(self, world_size):
+        super().__init__(world_size)
+        if world_size % 2:
+            raise ValueError(f"shift_one needs an even number of workers, got world_size={world_size}")
+
+    @property
+    def period(self):
+        """n/2 exchanges: then every rank has met every rank of the other half."""
+        return self.world_size // 2
+
+    def _candidate_neighbors(self, rank):
+        return [shift_one_peer(rank, self.world_size, t) for t in range(self.period)]
+
+    def _check_step(self, step):
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        return step
+
+    def out_peer(self, rank, step):
+        """The rank ``rank`` sends to at exchange ``step`` (its pair)."""
+        return shift_one_peer(self._check_rank(rank), self.world_size, self._check_step(step))
+
+    def in_peer(self, rank, step):
+        """The rank ``rank`` receives from at exchange ``step``: its pair, as it sends to it."""
+        return self.out_peer(rank, step)

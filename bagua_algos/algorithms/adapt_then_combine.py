@@ -8,7 +8,8 @@ Each step is "adapt, then combine", as the RelaySum paper's baselines run
 1. forward and backward at x_t, gradients local (no communication);
 2. the user's optimizer takes the local step: x½ = x_t + u_t (u_t: its update);
 3. the algorithm's :meth:`AdaptThenCombineImpl.combine` turns x½ into x_{t+1}, with one
-   gossip x ← W_t x over the topology (:class:`~bagua_algos.runtime.gossip.NeighbourGossip`)
+   gossip x ← W_t x over the topology (:class:`~bagua_algos.runtime.gossip.Gossip`, the
+   package's one gossip, which the decentralized op runs too)
    and whatever correction the algorithm keeps.
 
 The parameters are the Bagua tensors, in one flattened bucket, and every rule is written
@@ -28,7 +29,7 @@ import torch
 from ..runtime import comm
 from ..runtime.algorithm import ForwardPreHook, PostOptimizerStepHook
 from ..runtime.bucket import BaguaBucket
-from ..runtime.gossip import NeighbourGossip
+from ..runtime.gossip import Gossip
 from ..runtime.topology import resolve_topology
 from .model_averaging import ModelAveragingAlgorithmImpl
 
@@ -51,7 +52,7 @@ class AdaptThenCombineImpl(ModelAveragingAlgorithmImpl):
         super().__init__(process_group)
         self.topology = resolve_topology(topology, self.world_size, time_varying=self.follows_time_varying)
         self.rows = self.row_ranks
-        self.gossip = NeighbourGossip(self.topology, self.rows, comm.group_ranks(process_group), process_group)
+        self.gossip = Gossip(self.topology, self.rows, comm.group_ranks(process_group), process_group)
         self.previous: dict = {}  # bucket name → x_t, [W, L]
 
     def tensors_to_buckets(self, tensors: list, do_flatten: bool) -> list[BaguaBucket]:

@@ -25,7 +25,11 @@ place in neighbor order and divides once.
 
 Wire format: a link carries its message and, separately, its count (a float64 on the
 CPU, one per tree link and step). The messages are built in a buffer of their own and
-received into a second, which becomes the state; the two swap roles every step.
+received into a second, which becomes the state; the two swap roles every step. On the
+one-process engine every message is a row of the state already there, so each is built
+straight into the receive slot it arrives in, with the same terms in the same order
+(``_StackedDelivery``: no message buffer, no exchange copy; the bytes are counted as the
+exchange would count them).
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ import torch
 from ..arguments import check_choice, check_real, check_seed, rank_seed
 from ..runtime import comm
 from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry, PostOptimizerStepHook
-from ..runtime.topology import check_topology_arg, resolve_topology
+from ..runtime.comm.stacked import count_neighbor_exchange
+from ..runtime.rows import RowGather, run_calls
+from ..runtime.topology import NeighbourTable, check_topology_arg, resolve_topology
 from .model_averaging import ModelAveragingAlgorithmImpl
 
 if TYPE_CHECKING:
@@ -84,14 +90,20 @@ def relay_messages(x: torch.Tensor, received: torch.Tensor, out: torch.Tensor) -
 
 
 def relay_average(x: torch.Tensor, received: torch.Tensor, n_bar: torch.Tensor, mode: str, world_size: int,
-                  x0: torch.Tensor | None) -> None:
+                  x0: torch.Tensor | None, slot_rows: list | None = None) -> None:
     """x ← the relay average of x (= x½, ``[W, L]``) and the ``received`` messages
     (``[W, D, L]``, lost and absent ones zero), in place: (x + Σ m) / n̄ in mode "count",
     (x + Σ m + (n − n̄)·x0) / n in mode "world_size" (``x0`` None: zero, as for relayed
     updates). ``n_bar``: each worker's count,
-    ``[W]`` float64."""
+    ``[W]`` float64. ``slot_rows`` (the engine): per slot, the
+    :class:`~bagua_algos.runtime.rows.RowGather` of the rows that have that slot, None
+    for every row; the others hold zeros there (no neighbour), a term their processes,
+    whose slots are their own neighbours, do not add."""
     for s in range(received.shape[1]):
-        x.add_(received[:, s])
+        if slot_rows is None or slot_rows[s] is None:
+            x.add_(received[:, s])
+        else:
+            slot_rows[s].add_(x, received[:, s])
     if mode == "count":
         x.div_(n_bar.to(device=x.device, dtype=x.dtype).unsqueeze(1))
         return
@@ -128,13 +140,68 @@ class _Tree:
     none)."""
 
     def __init__(self, tree, rows: list, global_rank: list):
-        neighbours = [list(tree.neighbors(i)) for i in rows]
-        self.slots = max((len(nb) for nb in neighbours), default=0)
-        self.neighbours = torch.tensor([nb + [-1] * (self.slots - len(nb)) for nb in neighbours],
-                                       dtype=torch.long).reshape(len(rows), self.slots)
+        table = NeighbourTable(tree, rows)  # the gossip's table; relay reads its slots only
+        self.slots, self.neighbours = table.slots, table.neighbours
         to_global = torch.tensor(list(global_rank) + [-1], dtype=torch.long)  # (index -1: none)
         self.peers = [to_global[self.neighbours[:, s]] for s in range(self.slots)]
         self.present = self.neighbours >= 0  # [W, D]
+
+
+class _StackedDelivery:
+    """The engine's accelerator of one tree's exchange: every message m_{j→i} is built
+    straight into the slot of the receive buffer it arrives in (row i, i's slot for j),
+    from j's rows, with :func:`relay_messages`' terms in its order (x_j, then j's other
+    slots ascending, padded ones included), so the engine's workers hold what the
+    exchange of built messages would give them, bit for bit, without the message buffer,
+    the messages no worker receives, and the exchange's row-gather copy. A row without a
+    slot keeps what it holds there (zeros, as the exchange leaves it).
+
+    The plan, per receive slot s and sender slot q: the rows i whose s-th neighbour j has
+    i in its slot q, as a :class:`~bagua_algos.runtime.rows.RowGather` i → j (a tree's
+    rows are a few arithmetic runs: a few strided passes each). :meth:`slot_rows` gives
+    :func:`relay_average` the rows that have each slot, so it adds no zero slot."""
+
+    def __init__(self, neighbours: torch.Tensor):
+        table, slots = neighbours.tolist(), neighbours.shape[1]
+        self.groups = []  # (receive slot s, index i → j, j's slots other than q, in order)
+        for s in range(slots):
+            by_sender_slot: dict = {}
+            for i, row in enumerate(table):
+                j = row[s]
+                if j >= 0:
+                    by_sender_slot.setdefault(table[j].index(i), [None] * len(table))[i] = j
+            for q, index in sorted(by_sender_slot.items()):
+                self.groups.append((s, index, [t for t in range(slots) if t != q]))
+        self._gathers: dict = {}  # device → a RowGather per group
+        # per slot, the rows that have it (None: every row), for relay_average
+        self._present = [None if all(row[s] >= 0 for row in table) else
+                         [i if row[s] >= 0 else None for i, row in enumerate(table)] for s in range(slots)]
+        self._slot_rows: dict = {}  # device → a RowGather (or None) per slot
+
+    def slot_rows(self, device) -> list:
+        """Per slot, the :class:`~bagua_algos.runtime.rows.RowGather` of the rows that have
+        it (row i from row i), None where every row has it."""
+        key = str(device)
+        if key not in self._slot_rows:
+            self._slot_rows[key] = [None if rows is None else RowGather(rows, device) for rows in self._present]
+        return self._slot_rows[key]
+
+    def deliver(self, x: torch.Tensor, received: torch.Tensor, target: torch.Tensor) -> None:
+        """target[i, s] ← m_{j→i} = x_j + Σ_{t≠q} received[j, t] (``x`` ``[W, L]``, the
+        buffers ``[W, D, L]``; target overlaps neither)."""
+        key = str(x.device)
+        if key not in self._gathers:
+            self._gathers[key] = [RowGather(index, x.device) for _, index, _ in self.groups]
+        calls = []
+        for (s, _, others), gather in zip(self.groups, self._gathers[key]):
+            out = target[:, s]
+            if not others:
+                calls += gather.copy_calls(out, x)
+                continue
+            calls += gather.sum_calls(out, x, received[:, others[0]])
+            for t in others[1:]:
+                calls += gather.add_calls(out, received[:, t])
+        run_calls(calls)
 
 
 class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
@@ -178,6 +245,12 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
         self.last_counts: list = [torch.ones(len(self.rows), dtype=torch.float64) for _ in self.trees]  # n̄
         self.dropped = 0
         self._trees = [_Tree(tree, self.rows, self.global_rank_of_peer) for tree in self.trees]
+        # the engine: each tree's messages built where they arrive (None in a job). The
+        # one branch on the backend left in an algorithm: on the engine every receiver's
+        # slot is a row of the same process, so building there saves the message buffer
+        # and the exchange's copy (docs/engine.md, "Relay on the engine, again")
+        self._delivery = ([_StackedDelivery(t.neighbours) for t in self._trees]
+                          if comm.is_stacked(process_group) else None)
         # c_{j→i} heard last step, per tree: [W, D] float64 on the CPU (read on the host
         # every step, so on a GPU they travel over gloo beside the messages instead of
         # costing a device synchronisation)
@@ -200,7 +273,8 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
             shape = (len(self.rows), tree.slots, end - start)
             received[k] = torch.zeros(shape, dtype=bucket.dtype, device=bucket.device)
             self._spare[(bucket.name, k)] = torch.zeros(shape, dtype=bucket.dtype, device=bucket.device)
-            self._messages[(bucket.name, k)] = torch.empty(shape, dtype=bucket.dtype, device=bucket.device)
+            if self._delivery is None:  # the engine builds its messages where they arrive
+                self._messages[(bucket.name, k)] = torch.empty(shape, dtype=bucket.dtype, device=bucket.device)
         if self.mode == "world_size" and self.relays_models:
             # with_bagua broadcast the parameters before calling us: this is the common x0.
             bucket.state["relay_x0"] = bucket.flat_view().detach().clone()
@@ -222,8 +296,13 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
             for k, tree in enumerate(self._trees):
                 start, end = self._ranges[bucket.name][k]
                 received = bucket.state["relay_received"][k]
-                messages = relay_messages(flat[:, start:end], received, self._messages[(bucket.name, k)])
                 target = self._spare[(bucket.name, k)]
+                x = flat[:, start:end]
+                if self._delivery is not None:  # the engine: the exchange's result, built in place
+                    self._delivery[k].deliver(x, received, target)
+                    count_neighbor_exchange(self.process_group, [(peer, x) for peer in tree.peers])
+                    continue
+                messages = relay_messages(x, received, self._messages[(bucket.name, k)])
                 for s, peer in enumerate(tree.peers):
                     sends.append((peer, messages[:, s]))
                     recvs.append((peer, target[:, s]))
@@ -239,7 +318,8 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
         count_buffers = [torch.empty_like(t) for t in arriving_columns]
         counts = comm.start_neighbor_exchange(count_sends, [(peer, buf) for (peer, _), buf in
                                                             zip(count_recvs, count_buffers)], group=self.process_group)
-        comm.neighbor_exchange(sends, recvs, group=self.process_group)
+        if self._delivery is None:
+            comm.neighbor_exchange(sends, recvs, group=self.process_group)
         counts.wait()
         for column, buf in zip(arriving_columns, count_buffers):
             column.copy_(buf)
@@ -262,7 +342,8 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
                 x0 = None
                 if "relay_x0" in bucket.state:
                     x0 = bucket.state["relay_x0"][:, start:end]
-                relay_average(flat[:, start:end], arrived, n_bars[k], self.mode, self.world_size, x0)
+                slot_rows = None if self._delivery is None else self._delivery[k].slot_rows(arrived.device)
+                relay_average(flat[:, start:end], arrived, n_bars[k], self.mode, self.world_size, x0, slot_rows)
             bucket.write_flat(flat)
         self.last_counts = n_bars
         self.step += 1

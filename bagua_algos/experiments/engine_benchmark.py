@@ -26,7 +26,8 @@ Sections:
   and CPU seconds each (goal ≥ 10×).
 
 On the CPU the first two sections time this process's CPU time (``time.process_time``),
-so that other load on a shared machine does not enter the ratios; the sweep's engines
+the steps and the engine's hooks alike (``StackedRuntime.clock``), so that other load on
+a shared machine does not enter the ratios; the sweep's engines
 are separate processes and are timed by the wall clock.
 
 Prints one JSON line per figure after a header naming the machine and device.
@@ -190,6 +191,7 @@ def comm(args, device) -> list[dict]:
                     for _ in range(args.warmup):
                         engine.step(x, y, loss_fn)
                 engine.runtime.timings = dict.fromkeys(HOOKS, 0.0)
+                engine.runtime.clock = lambda: _clock(device)  # the hooks on the steps' clock
                 runs[variant] = (context, engine, x, y, {"share": [], "step_ms": [], "hooks_ms": [],
                                                          **{hook: [] for hook in HOOKS}})
             for _ in range(args.rounds):

@@ -1,55 +1,78 @@
-"""Gossip over a topology: :class:`NeighbourGossip` for the algorithms that gossip after
-the optimizer step, written once for the workers a process runs, and :class:`NeighbourMix`,
-the engine's compiled form of Bagua's decentralized op.
+"""The one gossip: x ← W_t x for the workers a process runs, over ``comm``'s neighbour
+exchange, so one coding serves a job's process and the one-process engine.
 
-The gossip mix of stacked workers: x_i ← w_ii x_i + Σ_k w_{i,j_k} x_{j_k}, every
-worker's row at once, the neighbours j_k in the topology's order and the weights its
-Metropolis–Hastings row (:meth:`Topology.gossip_weights`).
+Every algorithm that gossips goes through :class:`Gossip`: Bagua's decentralized op
+(:class:`~.ops.DecentralizedSynchronousOp`: a topology, shift_one or "all", hierarchical
+or not) and the algorithms that gossip after the optimizer step (D², SGP, gradient
+tracking, quasi-global momentum: :mod:`bagua_algos.algorithms.adapt_then_combine`).
+``x`` is ``[W, L]``, a row per worker this process runs (W = 1 in a job; the n stacked
+workers on the engine), or ``[L]`` for one worker. Three kinds of W_t:
 
-It is the one-process engine's form of the gossip step of :class:`~.ops.
-DecentralizedSynchronousOp` (a rank multiplies its own weights by w_ii, then adds
-each neighbour's received weights times w_ij, in the same order): the op calls it when
-its group is the engine's stacked workers, where a neighbour exchange and the adds would
-be a gather per neighbour and a pass each. Where cuda_ext's CPU module is loaded, the
-mix is one compiled sweep over the rows, the same terms in the same order
-(csrc/engine_cpu.cpp).
+1. a fixed topology, W its Metropolis–Hastings matrix; row i of x becomes
+   x_i ← w_ii x_i + Σ_k w_{i,j_k} x_{j_k}, the neighbours j_k in the topology's order
+   (the slots of one :class:`~.topology.NeighbourTable`): the self term is one product,
+   each slot one multiply-add (``addcmul_``), in slot order;
+2. a time-varying topology (:class:`~topologies.OnePeerExponentialTopology`, Bagua's
+   shift_one as :class:`~topologies.ShiftOneTopology`): at exchange t worker i sends x_i
+   to ``out_peer(i, t)``, receives y from ``in_peer(i, t)`` and x_i ← (x_i + y) / 2, the
+   pairwise average (:func:`pairwise_average_`);
+3. none (Bagua's ``"all"``): x ← the mean over the members, an allreduce average.
+
+The accelerator. When the group is the engine's stacked world and the topology is fixed,
+every row's neighbours are rows of x itself, so :class:`StackedMix` computes (1) from x
+without the exchange into ``[W, D, L]`` receive buffers: the same terms in the same
+order, each rounded alike, by cuda_ext's compiled sweep where its CPU module is loaded
+(csrc/engine_cpu.cpp, in place) or else by torch passes over row gathers
+(:class:`~.rows.RowGather`: the product into a spare, a strided multiply-add per slot,
+copied back). A padded slot (a worker with fewer than D neighbours) is skipped there,
+where the exchange adds 0·0: an exact zero. It counts the bytes the exchange would.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Optional, Sequence
 
 import torch
 
 from . import comm
+from .comm.stacked import count_neighbor_exchange
 from .rows import RowGather, engine_cpu_passes, run_calls
+from .topology import NeighbourTable
 
-__all__ = ["NeighbourGossip", "NeighbourMix"]
+__all__ = ["Gossip", "StackedMix", "pairwise_average_"]
 
 
-class NeighbourGossip:
-    """x ← W_t x in place for the workers this process runs: ``x`` is ``[W, L]``, a row
-    per worker (W = 1 in a job; the n stacked workers on the one-process engine), and the
-    exchange is ``comm``'s neighbour exchange (between processes, or the stacked
-    communicator's row gather), so one coding serves both.
+def pairwise_average_(x: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+    """x ← (x + received) / 2 in place: a time-varying topology's exchange (shift_one,
+    the one-peer exponential graph). One sum, then an exact halving."""
+    return x.add_(received).mul_(0.5)
 
-    - a fixed topology: W its Metropolis–Hastings matrix, each row
-      x_i ← w_ii x_i + Σ_k w_{i,j_k} x_{j_k}, the neighbours j_k in the topology's order;
-    - a time-varying one (:class:`~topologies.OnePeerExponentialTopology`): at exchange t
-      worker i sends x_i to ``out_peer(i, t)`` and x_i ← (x_i + x_{in_peer(i, t)}) / 2.
 
-    ``rows`` are the group ranks of the W workers (:attr:`AlgorithmImpl.row_ranks`),
-    ``global_rank`` maps a group rank to the rank ``comm`` takes; on the engine a peer is
-    every worker's peer at once, a ``[n]`` long tensor (−1: none). Receive buffers are
-    ``[W, D, L]`` zeros, a slot per neighbour; a worker with fewer than D neighbours
-    keeps zeros in its last slots, which its zero weights turn into exact zero terms.
+class Gossip:
+    """x ← W_t x in place for the workers this process runs (the module's docstring has
+    the rule and its three kinds of W_t).
+
+    Args:
+        topology: a Topology over the gossip's members (fixed or time-varying), or None
+            for Bagua's "all": the members' average.
+        rows: the members (topology ranks) whose weights this process holds, in the
+            order of x's rows: ``[its index]`` in a job, every member on the engine.
+        member_ranks: member → the rank ``comm`` takes for it (the group's global ranks,
+            or the node leaders' for a gossip between nodes).
+        group: the process group ``comm`` exchanges in (for "all": the one averaged over).
+
+    On the engine a peer is every worker's peer at once, a ``[n]`` long tensor (−1:
+    none). Receive buffers are ``[W, D, L]`` zeros, a slot per neighbour; a worker with
+    fewer than D neighbours keeps zeros in its last slots, which its zero weights turn
+    into exact zero terms.
 
     Example::
 
         >>> import torch, topologies
         >>> from bagua_algos.runtime.comm.stacked import StackedGroup, stacked_world
         >>> world = StackedGroup(4)
-        >>> gossip = NeighbourGossip(topologies.RingTopology(4), [0, 1, 2, 3], [0, 1, 2, 3], world)
+        >>> gossip = Gossip(topologies.RingTopology(4), [0, 1, 2, 3], [0, 1, 2, 3], world)
         >>> x = torch.arange(4.0).unsqueeze(1)
         >>> with stacked_world(world):
         ...     gossip.mix_(x, step=0)
@@ -57,34 +80,50 @@ class NeighbourGossip:
         [1.3333, 1.0, 2.0, 1.6667]
     """
 
-    def __init__(self, topology, rows: list, global_rank: list, group):
+    def __init__(self, topology, rows: Sequence[int], member_ranks: Sequence[int], group):
         self.topology = topology
+        self.rows = list(rows)
+        self.member_ranks = list(member_ranks)
         self.group = group
         self.stacked = comm.is_stacked(group)
-        self.rows = list(rows)
-        self._global_rank = list(global_rank)
-        self._received: dict = {}
-        if topology.time_varying:
-            self.slots = 1 if topology.world_size > 1 else 0
+        self.members = len(self.member_ranks) if topology is None else topology.world_size
+        if topology is not None and topology.world_size != len(self.member_ranks):
+            raise ValueError(f"member_ranks must name a rank for each of the topology's {topology.world_size} "
+                             f"members, got {len(self.member_ranks)}")
+        if not self.rows:
+            raise ValueError("rows must name at least one member (the workers this process runs)")
+        self._received: dict = {}  # (shape, dtype, device) -> [W, D, L] receive buffers
+        self._weights_as: dict = {}  # (dtype, device) -> (self weights [W, 1], weights [W, D])
+        self.accelerator: Optional[StackedMix] = None
+        self.table = None
+        if topology is None or self.members == 1:
+            self.slots = 0  # an allreduce, or nothing: no receive slot
             return
-        neighbours = [list(topology.neighbors(i)) for i in self.rows]
-        weights = [topology.gossip_weights(i) for i in self.rows]
-        self.slots = max((len(nb) for nb in neighbours), default=0)
-        self._neighbours = torch.tensor([nb + [-1] * (self.slots - len(nb)) for nb in neighbours],
-                                        dtype=torch.long).reshape(len(self.rows), self.slots)
-        # float64, rounded once to the tensor's dtype where it is used
-        self._self_weight = torch.tensor([[w[i]] for i, w in zip(self.rows, weights)], dtype=torch.float64)
-        self._weight = torch.tensor([[w[j] for j in nb] + [0.0] * (self.slots - len(nb))
-                                     for nb, w in zip(neighbours, weights)],
-                                    dtype=torch.float64).reshape(len(self.rows), self.slots)
-        self._as: dict = {}
-        self._peers = [self._peer(self._neighbours[:, s].tolist()) for s in range(self.slots)]
+        if topology.time_varying:
+            self.slots = 1  # one peer in per exchange
+            return
+        self.table = NeighbourTable(topology, self.rows)
+        self.slots = self.table.slots
+        self._peers = [self._peer(self.table.neighbours[:, s].tolist()) for s in range(self.slots)]
+        if self.stacked and self.rows == list(range(self.members)):
+            self.accelerator = StackedMix(self.table)
 
-    def _peer(self, group_ranks: list):
-        """A peer as ``comm`` takes it: a global rank in a job, a ``[n]`` tensor on the engine."""
-        if self.stacked:
-            return torch.tensor(group_ranks, dtype=torch.long)
-        return self._global_rank[group_ranks[0]]
+    def _peer(self, members: list):
+        """Members as ``comm`` takes a peer: a ``[W]`` long tensor of ranks (−1: none), W = 1 in a job."""
+        ranks = [self.member_ranks[j] if j >= 0 else -1 for j in members]
+        return torch.tensor(ranks, dtype=torch.long)
+
+    def _as_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x as ``[W, L]``: itself, or one worker's ``[L]`` viewed as ``[1, L]``."""
+        w = len(self.rows)
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() == 2 and x.shape[0] == w:
+            return x
+        if x.dim() == 1 and w == 1:
+            return x.unsqueeze(0)
+        raise ValueError(f"x must be [W, L] with W = {w} (a row per worker this process runs)"
+                         f"{' or [L]' if w == 1 else ''}; got shape {tuple(x.shape)}")
 
     def _buffer(self, x: torch.Tensor) -> torch.Tensor:
         key = (x.shape, x.dtype, x.device)
@@ -94,92 +133,123 @@ class NeighbourGossip:
 
     def _weights(self, x: torch.Tensor):
         key = (x.dtype, x.device)
-        if key not in self._as:
-            self._as[key] = (self._self_weight.to(x.device, x.dtype), self._weight.to(x.device, x.dtype))
-        return self._as[key]
+        if key not in self._weights_as:
+            self._weights_as[key] = (self.table.self_weight.unsqueeze(1).to(x.device, x.dtype),
+                                     self.table.weight.to(x.device, x.dtype))
+        return self._weights_as[key]
 
-    def mix_(self, x: torch.Tensor, step: int) -> None:
-        """x ← W_t x in place (``step``: the exchange's index, for a time-varying topology)."""
-        if self.slots == 0:
-            return  # one worker: W = 1
-        received = self._buffer(x)
+    def mix_(self, x: torch.Tensor, step: int = 0) -> None:
+        """x ← W_t x in place (``step``: the exchange's index t, for a time-varying
+        topology; counted from 0)."""
+        rows = self._as_rows(x)
+        if self.members == 1:
+            return  # one member: W = 1
+        if self.topology is None:
+            comm.allreduce_inplace(x, comm.ReduceOp.AVG, group=self.group)
+            return
         if self.topology.time_varying:
             t = self.topology
+            received = self._buffer(rows)[:, 0]
             out = self._peer([t.out_peer(i, step) for i in self.rows])
             into = self._peer([t.in_peer(i, step) for i in self.rows])
-            comm.neighbor_exchange([(out, x)], [(into, received[:, 0])], group=self.group)
-            x.add_(received[:, 0]).mul_(0.5)
+            comm.neighbor_exchange([(out, rows)], [(into, received)], group=self.group)
+            pairwise_average_(rows, received)
             return
-        sends, recvs = [], []
-        for s, peer in enumerate(self._peers):
-            sends.append((peer, x))
-            recvs.append((peer, received[:, s]))
-        comm.neighbor_exchange(sends, recvs, group=self.group)
-        self_weight, weight = self._weights(x)
-        x.mul_(self_weight)
+        if self.accelerator is not None:
+            count_neighbor_exchange(self.group, [(peer, rows) for peer in self._peers])
+            self.accelerator.mix_(rows)
+            return
+        received = self._buffer(rows)
+        comm.neighbor_exchange([(peer, rows) for peer in self._peers],
+                               [(peer, received[:, s]) for s, peer in enumerate(self._peers)], group=self.group)
+        self_weight, weight = self._weights(rows)
+        rows.mul_(self_weight)
         for s in range(self.slots):
-            x.addcmul_(received[:, s], weight[:, s:s + 1])
+            rows.addcmul_(received[:, s], weight[:, s:s + 1])
 
 
-class NeighbourMix:
-    """x_i ← w_ii x_i + Σ_k w_{i,j_k} x_{j_k} for every row at once, the neighbours of
-    each worker in the topology's order (a worker with fewer neighbours than the most
-    connected one has nothing in its last slots).
+class StackedMix:
+    """The accelerator behind :class:`Gossip` on the engine: x ← W x for all n stacked
+    rows of a fixed topology, the neighbours read from x itself (no exchange).
 
-    Each slot is a :class:`~.rows.RowGather`: a ring's slot is two multiply-adds of
-    contiguous row ranges, not a gather into a fresh ``[n, d]`` tensor and an add.
-    :meth:`mix` writes W x into a given tensor: the self term, then one multiply-add per
-    slot (a ring: three passes over ``[n, d]``), prepared once per (x, out) pair as calls
-    on views (:func:`~.rows.run_calls`). Where cuda_ext's CPU module is loaded,
-    :meth:`mix_in_place_` does it in one sweep over x instead (csrc/engine_cpu.cpp)."""
+    Row i: (1) out_i = x_i · w_ii, one product; (2) out_i += x_{j_ik} · w_ik for each slot
+    k in order, one multiply-add; rows without a k-th neighbour take nothing. These are
+    :meth:`Gossip.mix_`'s terms in its order, the weights rounded from the same float64
+    table, so every worker's result is what its process computes.
 
-    def __init__(self, topology, device):
-        n = topology.world_size
-        rows = [topology.gossip_weights(i) for i in range(n)]
-        neighbours = [list(topology.neighbors(i)) for i in range(n)]
-        slots = max((len(nb) for nb in neighbours), default=0)
-        # weights in float64, rounded once to the parameters' dtype where they are used
-        self.self_weight = torch.tensor([[rows[i][i]] for i in range(n)], dtype=torch.float64, device=device)
-        self.slots = []  # (RowGather, weight [n, 1]) per neighbour slot
-        for k in range(slots):
-            index = [nb[k] if k < len(nb) else None for nb in neighbours]
-            weight = [rows[i][nb[k]] if k < len(nb) else 0.0 for i, nb in enumerate(neighbours)]
-            self.slots.append((RowGather(index, device),
-                               torch.tensor(weight, dtype=torch.float64, device=device).unsqueeze(1)))
-        self._prepared = {}  # (x, out) -> calls
-        # the same rows for the compiled sweep: neighbour j_ik (−1: no term), w_ik
-        self.neighbour = torch.tensor([[nb[k] if k < len(nb) else -1 for k in range(slots)] for nb in neighbours],
-                                      dtype=torch.long).reshape(n, slots)
-        self.weight = torch.tensor([[rows[i][nb[k]] if k < len(nb) else 0.0 for k in range(slots)]
-                                    for i, nb in enumerate(neighbours)], dtype=torch.float64).reshape(n, slots)
-        self._weights_as = {}  # dtype -> (self weights [n], weights [n, slots]) on the CPU
+    Two codings: :meth:`mix` (torch passes: each slot a :class:`~.rows.RowGather`, a
+    ring's slot two strided multiply-adds, prepared once per (x, out) pair) and, where
+    cuda_ext's CPU module is loaded, its ``engine_gossip_mix_`` (one sweep, in place, in
+    column blocks kept in L2; csrc/engine_cpu.cpp). :meth:`mix_` takes the compiled one
+    where it can."""
+
+    def __init__(self, table: NeighbourTable):
+        if table.rows != list(range(len(table.rows))):
+            raise ValueError(f"table must hold every row of the stacked world in order, got rows {table.rows}")
+        self.table = table
+        self.n = len(table.rows)
+        self._gathers = [RowGather(table.slot(k), "cpu") for k in range(table.slots)]
+        self._by_device: dict = {}  # device -> its row gathers
+        self._weights_as: dict = {}  # (dtype, device) -> (self weights [n, 1], weights [n, D])
+        self._prepared: dict = {}  # (x, out) -> calls
+        self._spare: Optional[torch.Tensor] = None
+
+    def _weights(self, x: torch.Tensor):
+        key = (x.dtype, x.device)
+        if key not in self._weights_as:
+            self._weights_as[key] = (self.table.self_weight.unsqueeze(1).to(x.device, x.dtype),
+                                     self.table.weight.to(x.device, x.dtype))
+        return self._weights_as[key]
+
+    def _gathers_on(self, device) -> list:
+        key = str(device)
+        if key not in self._by_device:
+            self._by_device[key] = ([RowGather(self.table.slot(k), device) for k in range(self.table.slots)]
+                                    if torch.device(device).type != "cpu" else self._gathers)
+        return self._by_device[key]
 
     def _calls(self, x: torch.Tensor, out: torch.Tensor) -> list:
-        """The passes of ``mix(x, out)``, prepared for the last two (x, out) pairs (the
-        form alternates between two storages)."""
+        """The passes of ``mix(x, out)``, prepared for the last two (x, out) pairs."""
         key = (x.data_ptr(), out.data_ptr(), x.shape, x.stride(), out.stride(), x.dtype, x.device)
         calls = self._prepared.get(key)
         if calls is None:
-            calls = [(functools.partial(torch.mul, out=out), (x, self.self_weight.to(x.dtype)))]
-            for gather, weight in self.slots:
-                calls += gather.add_calls(out, x, weight.to(x.dtype))
+            self_weight, weight = self._weights(x)
+            calls = [(functools.partial(torch.mul, out=out), (x, self_weight))]
+            for k, gather in enumerate(self._gathers_on(x.device)):
+                calls += gather.add_calls(out, x, weight[:, k:k + 1])
             self._prepared = {**dict(list(self._prepared.items())[-1:]), key: calls}
         return calls
 
+    def _check(self, name: str, t: torch.Tensor) -> None:
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] != self.n:
+            raise ValueError(f"{name} must be [{self.n}, L] (a row per stacked worker), "
+                             f"got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+
     def mix(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out ← W x (each row's terms in the order above); ``out`` must not overlap x."""
+        """out ← W x by torch passes (the terms above, in their order); ``out`` must not
+        overlap x."""
+        self._check("x", x)
+        self._check("out", out)
         run_calls(self._calls(x, out))
         return out
 
-    def mix_in_place_(self, x: torch.Tensor) -> bool:
-        """x ← W x by cuda_ext's compiled sweep, where it is loaded
-        (:func:`~.rows.engine_cpu_passes`; the same terms in the same order, rounded alike);
-        returns False, doing nothing, where it is not."""
+    def mix_compiled_(self, x: torch.Tensor) -> bool:
+        """x ← W x in place by cuda_ext's compiled sweep where it is loaded
+        (:func:`~.rows.engine_cpu_passes`); returns False, doing nothing, where it is not."""
         passes = engine_cpu_passes(x)
         if passes is None:
             return False
-        if x.dtype not in self._weights_as:
-            self._weights_as[x.dtype] = (self.self_weight.reshape(-1).to("cpu", x.dtype), self.weight.to(x.dtype))
-        self_weight, weight = self._weights_as[x.dtype]
-        passes.engine_gossip_mix_(x, self_weight, self.neighbour, weight)
+        self_weight, weight = self._weights(x)
+        passes.engine_gossip_mix_(x, self_weight.view(-1), self.table.neighbours, weight)
         return True
+
+    def mix_(self, x: torch.Tensor) -> torch.Tensor:
+        """x ← W x in place: compiled where loaded, else the torch passes into a spare,
+        copied back."""
+        self._check("x", x)
+        if self.mix_compiled_(x):
+            return x
+        if self._spare is None or self._spare.shape != x.shape or self._spare.dtype != x.dtype \
+                or self._spare.device != x.device:
+            self._spare = torch.empty_like(x)
+        return x.copy_(self.mix(x, self._spare))

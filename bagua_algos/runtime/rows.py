@@ -1,8 +1,8 @@
 """Row gathers of the stacked state as a few strided slices, prepared as calls.
 
-The gossip mix and the stacked neighbour exchange combine rows of ``[rows, L]``
-matrices by index:
-``out[r] += src[index[r]]``. ``index_select`` then ``add_`` costs two passes over the
+The gossip's accelerator on the engine (:class:`~.gossip.StackedMix`), relay's
+messages on the engine and the stacked neighbour exchange combine rows of ``[rows, L]``
+matrices by index: ``out[r] += src[index[r]]``. ``index_select`` then ``add_`` costs two passes over the
 rows and a buffer; but the indices of the usual topologies are made of arithmetic runs
 (a ring's neighbour of i is i + 1 mod n: two runs; a chain's relayed message comes from
 the previous edge of its direction), and a run ``out[r0::s] += src[i0::t]`` is one pass
@@ -28,6 +28,7 @@ pays no call per block: where cuda_ext's CPU module is loaded, the gossip mix is
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -124,6 +125,10 @@ def _gather_copy(out, src, rows, sources):
     out.index_copy_(0, rows, torch.index_select(src, 0, sources))
 
 
+def _gather_sum(out, a, b, rows, sources):
+    out.index_copy_(0, rows, torch.add(torch.index_select(a, 0, sources), torch.index_select(b, 0, sources)))
+
+
 class RowGather:
     """``out[r] (op)= src[index[r]]`` for every row r whose index is not None.
 
@@ -174,6 +179,14 @@ class RowGather:
         if self.runs is None:
             return [(_gather_copy, (out, src, self.present_rows, self.present_sources))]
         return [(torch.Tensor.copy_, (_view(out, r0, s, m), _view(src, i0, t, m))) for r0, s, i0, t, m in self.runs]
+
+    def sum_calls(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> list:
+        """``out[r] = a[index[r]] + b[index[r]]`` (one add a row, as ``torch.add``); rows
+        with no index are left as they are."""
+        if self.runs is None:
+            return [(_gather_sum, (out, a, b, self.present_rows, self.present_sources))]
+        return [(functools.partial(torch.add, out=_view(out, r0, s, m)), (_view(a, i0, t, m), _view(b, i0, t, m)))
+                for r0, s, i0, t, m in self.runs]
 
     def add_(self, out: torch.Tensor, src: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         run_calls(self.add_calls(out, src, weight))

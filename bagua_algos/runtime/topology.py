@@ -1,10 +1,17 @@
-"""Turning a ``topology=`` argument (a name or a Topology) into a checked Topology.
+"""Turning a ``topology=`` argument (a name or a Topology) into a checked Topology, and
+a topology into the table of neighbours that gossip and relay read.
 
 The one place where that happens: algorithms check the argument in their constructor
 (:func:`check_topology_arg`) and resolve it against their process group in ``reify``;
-the decentralized op resolves what it is given with the same function."""
+the decentralized op resolves what it is given with the same function.
+:class:`NeighbourTable` is the one ``[W, D]`` table of the neighbours of the workers a
+process runs (:class:`~.gossip.Gossip`'s slots and weights, relay's tree slots)."""
 
 from __future__ import annotations
+
+from typing import Sequence
+
+import torch
 
 from topologies import Topology, available_topologies, get_topology
 
@@ -64,3 +71,45 @@ def resolve_topology(topology, world_size: int, require_tree: bool = False,
             f"models, so they are never averaged; use a connected topology, e.g. one of {available_topologies()}"
         )
     return topology
+
+
+class NeighbourTable:
+    """The neighbours of the workers a process runs, in slots, with their
+    Metropolis–Hastings weights: the one table gossip and relay's trees read.
+
+    For ``rows`` (topology ranks, one per worker this process runs: W = 1 in a job, every
+    rank on the one-process engine):
+
+    - ``neighbours``: ``[W, D]`` int64, row w's k-th neighbour in the topology's order
+      (:meth:`Topology.neighbors`), −1 past its degree; D (``slots``) the largest degree
+      among the rows;
+    - ``weight``: ``[W, D]`` float64, w_{i, j_k} of :meth:`Topology.gossip_weights`, 0.0
+      where there is no neighbour;
+    - ``self_weight``: ``[W]`` float64, w_ii.
+
+    The weights stay float64 so that each is rounded once, to the tensor's dtype where it
+    is used. A time-varying topology's table is that of the union of its pairings.
+    """
+
+    def __init__(self, topology: Topology, rows: Sequence[int]):
+        if not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a Topology, got {type(topology).__name__}")
+        rows = list(rows)
+        for r in rows:  # Topology.neighbors checks them too, with a message naming "rank"
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < topology.world_size:
+                raise ValueError(f"rows must be ranks of {topology!r}, ints in [0, {topology.world_size}); "
+                                 f"got {r!r} in {rows}")
+        self.rows = rows
+        neighbours = [topology.neighbors(i) for i in rows]
+        weights = [topology.gossip_weights(i) for i in rows]
+        self.slots = max((len(nb) for nb in neighbours), default=0)
+        pad = [self.slots - len(nb) for nb in neighbours]
+        self.neighbours = torch.tensor([nb + [-1] * p for nb, p in zip(neighbours, pad)],
+                                       dtype=torch.long).reshape(len(rows), self.slots)
+        self.weight = torch.tensor([[w[j] for j in nb] + [0.0] * p for nb, w, p in zip(neighbours, weights, pad)],
+                                   dtype=torch.float64).reshape(len(rows), self.slots)
+        self.self_weight = torch.tensor([w[i] for i, w in zip(rows, weights)], dtype=torch.float64)
+
+    def slot(self, k: int) -> list:
+        """Slot ``k``'s neighbour of every row, None where a row has none."""
+        return [None if j < 0 else j for j in self.neighbours[:, k].tolist()]

@@ -412,6 +412,26 @@ def _exchange_plan(world: StackedGroup, send_peers: list, recv_peers: list, devi
     return plan
 
 
+def _count_sends(world: StackedGroup, send_peers: list, tensors: list) -> None:
+    """What one worker hands to the network in a neighbour exchange: each send's bytes
+    per worker times the share of workers that post it."""
+    _count(sum(_per_worker_bytes(world, t) * sum(1 for p in peers if p >= 0) // world.n
+               for peers, t in zip(send_peers, tensors)))
+
+
+def count_neighbor_exchange(group, sends) -> None:
+    """Count the bytes ``start_neighbor_exchange(sends, ...)`` would count on the engine's
+    workers (``group``: the stacked group, or None for the active one), without
+    exchanging: for a caller that computes an exchange's result from the rows
+    themselves (the gossip's stacked mix, :class:`~bagua_algos.runtime.gossip.StackedMix`)."""
+    world = _world_of(None, group)
+    if world is None:
+        raise ValueError(f"group must be the one-process engine's stacked group, got {group!r}")
+    send_items = list(sends)
+    _count_sends(world, [_peer_rows(world, f"sends[{k}] peer", p) for k, (p, _) in enumerate(send_items)],
+                 [_rows(world, f"sends[{k}] tensor", t) for k, (_, t) in enumerate(send_items)])
+
+
 def start_neighbor_exchange(world, sends, recvs):
     send_items = list(sends.items()) if hasattr(sends, "items") else list(sends)
     recv_items = list(recvs.items()) if hasattr(recvs, "items") else list(recvs)
@@ -419,8 +439,7 @@ def start_neighbor_exchange(world, sends, recvs):
     recv_peers = [_peer_rows(world, f"recvs[{k}] peer", p) for k, (p, _) in enumerate(recv_items)]
     sources = [_rows(world, f"sends[{k}] tensor", t) for k, (_, t) in enumerate(send_items)]
     targets = [_rows(world, f"recvs[{k}] tensor", t, write=True) for k, (_, t) in enumerate(recv_items)]
-    _count(sum(_per_worker_bytes(world, t) * sum(1 for p in peers if p >= 0) // world.n
-               for peers, (_, t) in zip(send_peers, send_items)))
+    _count_sends(world, send_peers, [t for _, t in send_items])
     with torch.no_grad():
         for target, moves in zip(targets, _exchange_plan(world, send_peers, recv_peers, targets[0].device
                                                          if targets else "cpu")):

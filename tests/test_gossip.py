@@ -1,0 +1,171 @@
+"""The one gossip (bagua_algos/runtime/gossip.py): its neighbour table, its three kinds of
+W_t on the engine's stacked rows against the plain formulas, and its accelerator
+(StackedMix) against its own exchange path: the same terms in the same order, so equal
+bit for bit (torch passes; the compiled sweep is held to them in
+test_engine_cpu_passes.py). The processes' side is test_engine_equality.py's (every
+gossiping algorithm, engine against gloo processes) and test_model_averaging.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import topologies
+from bagua_algos.runtime import comm
+from bagua_algos.runtime.comm.stacked import StackedGroup, stacked_world
+from bagua_algos.runtime.gossip import Gossip, StackedMix, pairwise_average_
+from bagua_algos.runtime.rows import torch_passes_only
+from bagua_algos.runtime.topology import NeighbourTable
+from topologies import ShiftOneTopology, get_topology, shift_one_peer
+
+FIXED = ["chain", "binary_tree", "ring", "fully_connected", "exponential"]
+
+
+def _dense_w(topology) -> torch.Tensor:
+    n = topology.world_size
+    w = torch.zeros(n, n, dtype=torch.float64)
+    for i in range(n):
+        for j, value in topology.gossip_weights(i).items():
+            w[i, j] = value
+    return w
+
+
+def _gossip(topology, n):
+    world = StackedGroup(n)
+    return world, Gossip(topology, list(range(n)), list(range(n)), world)
+
+
+# ---------------------------------------------------------------- the table
+@pytest.mark.parametrize("name", FIXED)
+@pytest.mark.parametrize("n", [2, 5, 9])
+def test_the_table_pads_with_minus_one_and_zero_weights(name, n):
+    topology = get_topology(name, n)
+    table = NeighbourTable(topology, range(n))
+    assert table.neighbours.dtype == torch.long and table.weight.dtype == torch.float64
+    assert table.neighbours.shape == table.weight.shape == (n, max(topology.degree(i) for i in range(n)))
+    for i in range(n):
+        row = table.neighbours[i].tolist()
+        degree = topology.degree(i)
+        assert row[:degree] == topology.neighbors(i) and row[degree:] == [-1] * (table.slots - degree)
+        weights = topology.gossip_weights(i)
+        assert table.weight[i].tolist() == [weights[j] for j in row[:degree]] + [0.0] * (table.slots - degree)
+        assert table.self_weight[i].item() == weights[i]
+        assert table.slot(0)[i] == (row[0] if row[0] >= 0 else None)
+
+
+def test_a_table_of_some_rows_is_those_rows():
+    topology = get_topology("chain", 6)
+    full, mine = NeighbourTable(topology, range(6)), NeighbourTable(topology, [4])
+    assert mine.slots == topology.degree(4) == 2
+    assert mine.neighbours.tolist() == [topology.neighbors(4)]
+    assert torch.equal(mine.weight[0], full.weight[4])
+    ends = NeighbourTable(topology, [0])  # a chain's end has one neighbour: one slot, no padding
+    assert ends.neighbours.tolist() == [[1]]
+
+
+def test_bad_rows_and_topologies_are_named():
+    with pytest.raises(ValueError, match=r"rows must be ranks of .* got 6"):
+        NeighbourTable(get_topology("ring", 6), [0, 6])
+    with pytest.raises(TypeError, match="topology must be a Topology, got str"):
+        NeighbourTable("ring", [0])
+
+
+# ---------------------------------------------------------------- shift_one
+def test_shift_one_is_a_time_varying_topology_of_bagua_pairing():
+    for n in (2, 4, 8, 10):
+        t = ShiftOneTopology(n)
+        assert t.time_varying and t.period == n // 2
+        for step in range(2 * n):
+            assert [t.out_peer(r, step) for r in range(n)] == [shift_one_peer(r, n, step) for r in range(n)]
+            assert [t.in_peer(r, step) for r in range(n)] == [t.out_peer(r, step) for r in range(n)]
+        half = n // 2
+        assert t.neighbors(0) == list(range(half, n)) and sorted(t.neighbors(n - 1)) == list(range(half))
+        assert t.is_connected()
+    with pytest.raises(ValueError, match="shift_one needs an even number of workers, got world_size=5"):
+        ShiftOneTopology(5)
+    with pytest.raises(ValueError, match="step must be an int >= 0"):
+        ShiftOneTopology(4).out_peer(0, -1)
+
+
+# ---------------------------------------------------------------- the three kinds of W_t
+@pytest.mark.parametrize("name", FIXED)
+@pytest.mark.parametrize("n", [2, 7, 12])
+def test_a_fixed_topology_is_its_metropolis_hastings_matrix(name, n):
+    world, gossip = _gossip(get_topology(name, n), n)
+    x = torch.randn(n, 33, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+    expected = _dense_w(gossip.topology) @ x
+    with stacked_world(world):
+        gossip.mix_(x)
+    torch.testing.assert_close(x, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("topology", [ShiftOneTopology(6), topologies.OnePeerExponentialTopology(6)],
+                         ids=["shift_one", "one_peer_exponential"])
+def test_a_time_varying_topology_averages_each_pair(topology):
+    n = topology.world_size
+    world, gossip = _gossip(topology, n)
+    assert gossip.accelerator is None
+    x = torch.randn(n, 9, generator=torch.Generator().manual_seed(1))
+    for step in range(4):
+        expected = torch.stack([(x[i] + x[topology.in_peer(i, step)]) * 0.5 for i in range(n)])
+        with stacked_world(world):
+            gossip.mix_(x, step)
+        assert torch.equal(x, expected)
+
+
+def test_all_is_the_members_average():
+    n = 5
+    world = StackedGroup(n)
+    gossip = Gossip(None, list(range(n)), list(range(n)), world)
+    x = torch.randn(n, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    expected = x.mean(0, keepdim=True).expand_as(x)
+    with stacked_world(world):
+        gossip.mix_(x)
+    torch.testing.assert_close(x, expected)
+
+
+def test_pairwise_average_is_the_mean_of_two():
+    x, y = torch.tensor([1.0, -3.0, 0.5]), torch.tensor([2.0, 3.0, 0.25])
+    assert torch.equal(pairwise_average_(x, y), torch.tensor([1.5, 0.0, 0.375]))
+
+
+# ---------------------------------------------------------------- the accelerator
+@pytest.mark.parametrize("name", FIXED)
+@pytest.mark.parametrize("n", [2, 7, 12])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_accelerator_equals_the_exchange_bit_for_bit(name, n, dtype):
+    """Gossip on the engine with its accelerator and through comm's neighbour exchange
+    (the path a process takes, W = n): the same bits, three exchanges in a row, on
+    strided rows (the bucket's columns of a wider matrix)."""
+    world, fast = _gossip(get_topology(name, n), n)
+    _, slow = _gossip(get_topology(name, n), n)
+    assert fast.accelerator is not None
+    slow.accelerator = None
+    wide = torch.randn(n, 50, generator=torch.Generator().manual_seed(3)).to(dtype)
+    a, b = wide.clone()[:, 4:41], wide.clone()[:, 4:41]
+    with stacked_world(world), torch_passes_only():
+        for step in range(3):
+            comm.reset_bytes_sent()
+            fast.mix_(a, step)
+            counted = comm.reset_bytes_sent()
+            slow.mix_(b, step)
+            assert counted == comm.reset_bytes_sent() > 0  # the accelerator counts the exchange's bytes
+            assert torch.equal(a, b)
+
+
+def test_one_member_and_bad_shapes():
+    world = StackedGroup(3)
+    with stacked_world(world):
+        alone = Gossip(get_topology("ring", 1), [0], [0], world)
+        x = torch.ones(1, 4)
+        alone.mix_(x)
+        assert torch.equal(x, torch.ones(1, 4))
+        _, gossip = _gossip(get_topology("ring", 3), 3)
+        with pytest.raises(ValueError, match=r"x must be \[W, L\] with W = 3 .* got shape \(2, 4\)"):
+            gossip.mix_(torch.ones(2, 4))
+    with pytest.raises(ValueError, match="member_ranks must name a rank for each of the topology's 3 members, got 2"):
+        Gossip(get_topology("ring", 3), [0], [0, 1], world)
+    with pytest.raises(ValueError, match="rows must name at least one member"):
+        Gossip(get_topology("ring", 3), [], [0, 1, 2], world)
+    with pytest.raises(ValueError, match=r"table must hold every row of the stacked world in order"):
+        StackedMix(NeighbourTable(get_topology("ring", 3), [1, 2]))

@@ -357,6 +357,7 @@ def step_faults(workdir: Path, mode: str, *, nproc=4, duration=300.0, kill_every
     checkpoint (one every ``save_every`` steps). Then every worker is told one step to
     stop at (the same for all), and the logs are measured (:func:`measure_step_faults`)."""
     rng = rng or random.Random(seed)
+    os.environ.setdefault("RUST_LOG", "error")  # the lighthouse started here logs every quorum otherwise
     workdir.mkdir(parents=True, exist_ok=True)
     logs, stop_file = workdir / "logs", workdir / "stop"
     logs.mkdir(exist_ok=True)
@@ -386,14 +387,15 @@ def step_faults(workdir: Path, mode: str, *, nproc=4, duration=300.0, kill_every
         else:
             out = open(workdir / "launcher.out", "w")
             launcher = subprocess.Popen(
-                [sys.executable, *launch_argv("bagua", nproc, 1000), *common[1:2], "--mode", "restart",
+                [sys.executable, *launch_argv("bagua", nproc, 1000), "--module", *common[1:2], "--mode", "restart",
                  "--checkpoints", str(workdir / "checkpoints"), "--save_every", str(save_every), *common[2:]],
                 env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         # the clock starts at the first step logged (not at the imports)
         t_start = time.time()
         while not any(r.get("step") is not None for f in logs.glob("*.jsonl") for r in _read_jsonl(f)):
             if time.time() - t_start > 300:
-                raise RuntimeError(f"{mode}: no step within 300 s")
+                tail = (workdir / "launcher.out").read_text()[-3000:] if launcher else ""
+                raise RuntimeError(f"{mode}: no step within 300 s\n{tail}")
             time.sleep(0.2)
         t0 = time.time()
         next_kill = t0 + kill_every
@@ -401,25 +403,27 @@ def step_faults(workdir: Path, mode: str, *, nproc=4, duration=300.0, kill_every
             time.sleep(0.05)
             if not mode.endswith("_kill") or time.time() < next_kill:
                 continue
-            next_kill += kill_every
             if torchft_mode:
+                next_kill += kill_every
                 victim = rng.choice(sorted(procs))
                 procs[victim].kill()
                 kills.append({"t": time.time(), "victim": victim})
                 procs[victim].wait()
                 start(victim)  # a scheduler's restart: it joins the quorum and heals
             else:
-                pids = {}
-                for f in logs.glob("rank*.jsonl"):
-                    starts = [r for r in _read_jsonl(f) if "pid" in r]
-                    if starts:
-                        pids[f.stem] = starts[-1]["pid"]
+                starts = {f.stem: [r for r in _read_jsonl(f) if "pid" in r] for f in logs.glob("rank*.jsonl")}
+                newest = max((r["restart"] for rs in starts.values() for r in rs), default=0)
+                pids = {who: rs[-1]["pid"] for who, rs in starts.items() if rs and rs[-1]["restart"] == newest}
+                if len(pids) < nproc:  # the agent is still starting the round: try again in a moment
+                    next_kill = time.time() + 0.5
+                    continue
                 victim = rng.choice(sorted(pids))
                 try:
                     os.kill(pids[victim], signal.SIGKILL)
                     kills.append({"t": time.time(), "victim": victim})
+                    next_kill += kill_every
                 except ProcessLookupError:
-                    pass
+                    next_kill = time.time() + 0.5
         t_end = time.time()
         last = max((r["step"] for f in logs.glob("*.jsonl") for r in _read_jsonl(f) if "step" in r), default=0)
         stop_file.write_text(str(last + 20))

@@ -63,6 +63,8 @@ def main(argv=None) -> None:
     stop_at = None
     while time.time() < a.until:
         if ftstep is not None:
+            model.train()
+            ftstep.begin_step()  # the quorum first (a returning replica heals to the quorum's step)
             step = ftstep.committed_steps
         if stop_at is None and os.path.exists(a.stop_file):
             try:
@@ -70,6 +72,8 @@ def main(argv=None) -> None:
             except ValueError:  # being written
                 pass
         if stop_at is not None and step >= stop_at:
+            if ftstep is not None:  # close the step the quorum opened: nothing done, nothing changed
+                ftstep.end_step()
             break
         rank = bagua.get_rank()
         g = torch.Generator().manual_seed(1_000_003 * a.seed + 1009 * step + rank)

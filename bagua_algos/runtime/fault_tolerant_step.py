@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import types
 import warnings
 
 import torch
@@ -157,12 +158,13 @@ class FaultTolerantStep:
             self.manager._load_state_dict_fns["bagua"] = self._load_healing_state
         step = self.optimizer.step
 
-        def step_then_commit(*args, **kwargs):
+        def step_then_commit(optimizer, *args, **kwargs):
             out = step(*args, **kwargs)
             self.end_step()
             return out
 
-        self.optimizer.step = step_then_commit
+        # a bound method, as torch's LR schedulers expect of optimizer.step (they wrap its __func__)
+        self.optimizer.step = types.MethodType(step_then_commit, self.optimizer)
         self._unpatch = lambda: setattr(self.optimizer, "step", step)
 
     # --- torchft's state_dict callbacks (called inside start_quorum) ------------------

@@ -69,6 +69,13 @@ def build(phase):
 
 
 write(pid=os.getpid(), start_phase=a.start_phase)
+if not a.wait_file:  # the first replicas start together: the first quorum holds all of them
+    open(os.path.join(a.log_dir, f"ready_{replica}"), "w").close()
+    deadline = time.time() + 180
+    while not all(os.path.exists(os.path.join(a.log_dir, f"ready_r{i}")) for i in range(a.world)):
+        if time.time() > deadline:
+            sys.exit(5)
+        time.sleep(0.05)
 phase = a.start_phase
 config, model, optimizer = build(phase)
 ftstep = model.bagua_ddp.fault_tolerance
@@ -121,7 +128,8 @@ while True:
     y = x.sum(dim=1, keepdim=True).sin()
     optimizer.zero_grad()
     loss = torch.nn.functional.mse_loss(model(x), y)
-    if replica == a.victim and local == a.kill_at and not (a.wait_file and phase == a.start_phase):
+    if (replica == a.victim and local == a.kill_at and world == a.world
+            and not (a.wait_file and phase == a.start_phase)):
         write(killed=step, phase=phase)
         os.kill(os.getpid(), signal.SIGKILL)
     loss.backward()

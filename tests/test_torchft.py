@@ -355,3 +355,11 @@ def test_baguas_programs_run_unchanged_under_the_flag(tmp_path):
     done = [e for e in events if e["event"] == "done"]
     assert len(done) == 2 and all(e["world"] == 2 for e in done), events[-4:]
     assert (tmp_path / "mnist.ckpt").exists()
+
+
+def test_shift_one_gossips_with_all_over_an_odd_quorum(tmp_path):
+    """shift_one pairs the workers up: with 4 replicas, one killed, the 3 survivors gossip
+    with every peer ("all") until the returning replica makes the quorum even again."""
+    labels = ["decentralized_shift_one"]
+    logs = run_phases(tmp_path, labels, phase_steps=8, kill_at=2, world=4, deadline=420)
+    check_phases(logs, labels, 8, world=4, survivors=("r0", "r1", "r2"), victim="r3")

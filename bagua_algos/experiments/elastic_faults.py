@@ -20,6 +20,12 @@ final test accuracy of the restarted run against the reference: the same job, ne
 killed, resumed from a copy of the checkpoint the restarted run resumed from; on CPU
 the two must agree bit for bit (every tensor of every rank's final state).
 tests/test_elastic_restarts.py runs one such run for every family.
+
+``--step_faults MODES`` measures fault tolerance at the step (torchft) against the
+restart from a checkpoint instead (:func:`step_faults`; docs/elastic.md has the figures)::
+
+    nice -n 5 python benchmarks/elastic_faults.py --step_faults torchft_free,torchft_kill,restart_free,restart_kill \
+        --nproc_per_node 4 --duration 300 --kill_every 30 --save_every 100 --out step_faults.json
 """
 
 from __future__ import annotations

@@ -446,7 +446,11 @@ def with_bagua(
         from .fault_tolerant_step import check_supported
 
         check_supported(algorithm, optimizers, process_group)
-    impl = algorithm.reify(process_group)
+        from .fault_tolerant_step import for_quorum
+
+        impl = for_quorum(algorithm, comm.get_world_size(process_group)).reify(process_group)
+    else:
+        impl = algorithm.reify(process_group)
     if impl.needs_optimizer_step and not optimizers:
         raise ValueError(
             f"{type(algorithm).__name__} communicates after optimizer.step(): pass the module's "

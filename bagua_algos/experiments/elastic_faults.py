@@ -461,10 +461,23 @@ def measure_step_faults(logs: Path, kills: list[dict], t0: float, t_end: float, 
     finals = [r for rs in records.values() for r in rs if "final" in r]
     in_window = [s for t, s, _ in steps if t0 <= t <= t_end]
     per_kill = []
+    starts = sorted(r["t"] for rs in records.values() for r in rs if "start" in r)
     for kill in kills:
         tk = kill["t"]
-        after = [(t, s) for t, s, who in steps if t > tk]
         before = [s for t, s, _ in steps if t <= tk]
+        if torchft_mode:
+            # the first step committed by the quorum without the victim (a step already in
+            # flight at the kill may still commit at the old size: it is not the recovery)
+            last = max(((r["t"], r["world"]) for rs in records.values() for r in rs
+                        if "step" in r and r["t"] <= tk), default=(0, 0))
+            world_then = last[1]  # the quorum's size at the kill
+            after = [(r["t"], r["step"]) for who, rs in records.items() if who != kill["victim"] for r in rs
+                     if "step" in r and r["t"] > tk and r["world"] < world_then]
+        else:
+            # the first step of the new round (the old round's workers may log a step or two first)
+            new_round = [t for t in starts if t > tk]
+            after = [(t, s) for t, s, _ in steps if new_round and t > new_round[0]]
+        after.sort()
         entry = {"victim": kill["victim"], "seconds_to_next_step": round(after[0][0] - tk, 2) if after else None}
         if torchft_mode:
             # committed steps are never taken back; the steps in flight at the kill are discarded and done again

@@ -10,16 +10,24 @@ under torchft. One step:
    default group now spans the new quorum (comm/fault_tolerance.py) and the algorithm is
    built again over it from the committed state: ``reify`` on the new group, buckets,
    hooks, then ``load_bagua_state_dict`` of the committed state, which applies the
-   algorithm's ``WORLD_SIZE_RULE`` when the number of replicas changed. A replica that
-   is behind (a new or returning one, or every replica but the first at step 0:
-   torchft's ``init_sync``) heals first: torchft fetches a live peer's state (the
-   healing state below) and it replaces this replica's model, optimizer state and
-   algorithm state;
+   algorithm's ``WORLD_SIZE_RULE`` when the number of replicas changed (``for_quorum``:
+   shift_one gossips with all peers over an odd quorum; ``AVERAGE_ON_CHANGE``: the
+   models averaged first where the rule assumes one model). A replica that is behind
+   (a new or returning one, one that discarded a step others committed, or every
+   replica but the first at step 0: torchft's ``init_sync``) heals first: torchft
+   fetches a live peer's state (the healing state below); it replaces this replica's
+   model and optimizer state, and its algorithm state is loaded as another worker's
+   (the rule applied at any size: per-worker state reset, ``PEER_RESET_BUCKET_KEYS``
+   zeroed);
 2. forward, backward and the algorithm's collectives, as without torchft; a failed
    collective is reported to the manager and the step's later collectives are skipped;
+   an error the algorithm then raises is absorbed (``absorb``) and the algorithm is
+   built again before the next step;
 3. ``optimizer.step()`` (with the algorithm's post-step hook, e.g. model averaging),
-   then ``manager.should_commit()``: True on every replica, or False on every replica,
-   and then each restores the snapshot: the step is discarded everywhere alike.
+   then ``manager.should_commit()``; False on a replica whose collectives failed, which
+   restores the snapshot: the step is discarded there (over an all-reduce on every
+   replica alike; over a gossip graph or relay tree on the lost peer's neighbours,
+   which then heal from a replica that committed it).
 
 The healing state (torchft's state_dict callback, key ``"bagua"``) is the model's
 ``state_dict()``, the optimizer's and ``bagua_state_dict()``.

@@ -20,6 +20,12 @@ final test accuracy of the restarted run against the reference: the same job, ne
 killed, resumed from a copy of the checkpoint the restarted run resumed from; on CPU
 the two must agree bit for bit (every tensor of every rank's final state).
 tests/test_elastic_restarts.py runs one such run for every family.
+
+``--step_faults MODES`` measures fault tolerance at the step (torchft) against the
+restart from a checkpoint instead (:func:`step_faults`; docs/elastic.md has the figures)::
+
+    nice -n 5 python benchmarks/elastic_faults.py --step_faults torchft_free,torchft_kill,restart_free,restart_kill \
+        --nproc_per_node 4 --duration 300 --kill_every 30 --save_every 100 --out step_faults.json
 """
 
 from __future__ import annotations
@@ -327,6 +333,214 @@ def summary(family: str, runs: list[dict]) -> dict:
             "max_accuracy_gap_to_reference": max(gaps) if gaps else None}
 
 
+
+# --- fault tolerance at the step (torchft) against the restart from a checkpoint ------------
+
+STEP_MODES = ("torchft_free", "torchft_kill", "restart_free", "restart_kill")
+STEP_WORKER = "bagua_algos.experiments.elastic_step_worker"
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by a kill
+            pass
+    return out
+
+
+def step_faults(workdir: Path, mode: str, *, nproc=4, duration=300.0, kill_every=30.0, label="gradient_allreduce",
+                save_every=50, seed=0, min_replicas=2, heartbeat_ms=2000, rng=None) -> dict:
+    """One throughput run of ``mode`` (STEP_MODES): ``nproc`` CPU workers train the sweep's
+    task (elastic_step_worker) for ``duration`` s; with ``*_kill`` a random worker is
+    SIGKILLed every ``kill_every`` s. torchft: each worker a replica over one lighthouse
+    started here, the killed one started again at once (the same replica id: it joins
+    and heals). restart: the plugin's launcher (torchrun's agent, static rendezvous,
+    ``--max_restarts`` 1000) restarts every worker, which resume from the newest
+    checkpoint (one every ``save_every`` steps). Then every worker is told one step to
+    stop at (the same for all), and the logs are measured (:func:`measure_step_faults`)."""
+    rng = rng or random.Random(seed)
+    os.environ.setdefault("RUST_LOG", "error")  # the lighthouse started here logs every quorum otherwise
+    workdir.mkdir(parents=True, exist_ok=True)
+    logs, stop_file = workdir / "logs", workdir / "stop"
+    logs.mkdir(exist_ok=True)
+    env = worker_env()
+    until = time.time() + duration + 240  # the hard stop, past the agreed one
+    common = ["-m", STEP_WORKER, "--log_dir", str(logs), "--stop_file", str(stop_file), "--until", str(until),
+              "--label", label, "--seed", str(seed)]
+    kills, procs, lighthouse, launcher = [], {}, None, None
+    torchft_mode = mode.startswith("torchft")
+    try:
+        if torchft_mode:
+            from torchft.coordination import LighthouseServer
+
+            lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=1000,
+                                          heartbeat_timeout_ms=heartbeat_ms)
+            env.update(BAGUA_ALGOS_FAULT_TOLERANCE="torchft", TORCHFT_LIGHTHOUSE=lighthouse.address(),
+                       BAGUA_ALGOS_MIN_REPLICAS=str(min_replicas), RUST_LOG="error")
+
+            def start(replica):
+                out = open(workdir / f"{replica}.out", "a")
+                procs[replica] = subprocess.Popen([sys.executable, *common, "--mode", "torchft"],
+                                                  env=dict(env, BAGUA_ALGOS_REPLICA_ID=replica), cwd=REPO,
+                                                  stdout=out, stderr=subprocess.STDOUT)
+
+            for i in range(nproc):
+                start(f"r{i}")
+        else:
+            out = open(workdir / "launcher.out", "w")
+            launcher = subprocess.Popen(
+                [sys.executable, *launch_argv("bagua", nproc, 1000), "--module", *common[1:2], "--mode", "restart",
+                 "--checkpoints", str(workdir / "checkpoints"), "--save_every", str(save_every), *common[2:]],
+                env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        # the clock starts at the first step logged (not at the imports)
+        t_start = time.time()
+        while not any(r.get("step") is not None for f in logs.glob("*.jsonl") for r in _read_jsonl(f)):
+            if time.time() - t_start > 300:
+                tail = (workdir / "launcher.out").read_text()[-3000:] if launcher else ""
+                raise RuntimeError(f"{mode}: no step within 300 s\n{tail}")
+            time.sleep(0.2)
+        t0 = time.time()
+        next_kill = t0 + kill_every
+        while time.time() < t0 + duration:
+            time.sleep(0.05)
+            if not mode.endswith("_kill") or time.time() < next_kill:
+                continue
+            if torchft_mode:
+                next_kill += kill_every
+                victim = rng.choice(sorted(procs))
+                procs[victim].kill()
+                kills.append({"t": time.time(), "victim": victim})
+                procs[victim].wait()
+                start(victim)  # a scheduler's restart: it joins the quorum and heals
+            else:
+                starts = {f.stem: [r for r in _read_jsonl(f) if "pid" in r] for f in logs.glob("rank*.jsonl")}
+                newest = max((r["restart"] for rs in starts.values() for r in rs), default=0)
+                pids = {who: rs[-1]["pid"] for who, rs in starts.items() if rs and rs[-1]["restart"] == newest}
+                if len(pids) < nproc:  # the agent is still starting the round: try again in a moment
+                    next_kill = time.time() + 0.5
+                    continue
+                victim = rng.choice(sorted(pids))
+                try:
+                    os.kill(pids[victim], signal.SIGKILL)
+                    kills.append({"t": time.time(), "victim": victim})
+                    next_kill += kill_every
+                except ProcessLookupError:
+                    next_kill = time.time() + 0.5
+        t_end = time.time()
+        last = max((r["step"] for f in logs.glob("*.jsonl") for r in _read_jsonl(f) if "step" in r), default=0)
+        stop_file.write_text(str(last + 20))
+        deadline = time.time() + 180
+        running = list(procs.values()) + ([launcher] if launcher else [])
+        while any(p.poll() is None for p in running) and time.time() < deadline:
+            time.sleep(0.2)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        if launcher is not None:
+            stop_launcher(launcher, STEP_WORKER)
+        if lighthouse is not None:
+            lighthouse.shutdown()
+    result = measure_step_faults(logs, kills, t0, t_end, torchft_mode)
+    result.update(mode=mode, nproc=nproc, duration=round(t_end - t0, 1), kill_every=kill_every, label=label,
+                  save_every=None if torchft_mode else save_every)
+    return result
+
+
+def measure_step_faults(logs: Path, kills: list[dict], t0: float, t_end: float, torchft_mode: bool) -> dict:
+    """From the workers' logs: committed (torchft) or net (restart) steps in [t0, t_end],
+    for each kill the seconds to the next step committed (torchft) or taken by the new
+    round (restart) and the steps lost, and the final test accuracy (mean over workers)."""
+    records = {f.stem: _read_jsonl(f) for f in logs.glob("*.jsonl")}
+    steps = sorted((r["t"], r["step"], who) for who, rs in records.items() for r in rs if "step" in r)
+    finals = [r for rs in records.values() for r in rs if "final" in r]
+    in_window = [s for t, s, _ in steps if t0 <= t <= t_end]
+    per_kill = []
+    starts = sorted(r["t"] for rs in records.values() for r in rs if "start" in r)
+    for kill in kills:
+        tk = kill["t"]
+        before = [s for t, s, _ in steps if t <= tk]
+        if torchft_mode:
+            # the first step committed by the quorum without the victim (a step already in
+            # flight at the kill may still commit at the old size: it is not the recovery)
+            last = max(((r["t"], r["world"]) for rs in records.values() for r in rs
+                        if "step" in r and r["t"] <= tk), default=(0, 0))
+            world_then = last[1]  # the quorum's size at the kill
+            after = [(r["t"], r["step"]) for who, rs in records.items() if who != kill["victim"] for r in rs
+                     if "step" in r and r["t"] > tk and r["world"] < world_then]
+        else:
+            # the first step of the new round (the old round's workers may log a step or two first)
+            new_round = [t for t in starts if t > tk]
+            after = [(t, s) for t, s, _ in steps if new_round and t > new_round[0]]
+        after.sort()
+        entry = {"victim": kill["victim"], "seconds_to_next_step": round(after[0][0] - tk, 2) if after else None}
+        if torchft_mode:
+            # committed steps are never taken back; the steps in flight at the kill are discarded and done again
+            survivors = [who for who in records if who != kill["victim"]]
+            nxt = [t for t, _ in after]
+            horizon = nxt[0] if nxt else t_end
+            entry["discarded"] = max((sum(1 for r in records[w] if "discarded" in r and tk <= r["t"] <= horizon)
+                                      for w in survivors), default=0)
+            entry["steps_lost"] = 0
+        else:
+            resumed = [r["start"] for rs in records.values() for r in rs if "start" in r and r["t"] > tk]
+            if before and resumed:
+                entry["steps_lost"] = max(before) - min(resumed)
+        per_kill.append(entry)
+    if torchft_mode:  # every committed step once per replica, in order
+        for who, rs in records.items():
+            mine = [r["step"] for r in rs if "step" in r]
+            assert mine == sorted(set(mine)), f"{who}: a committed step repeated or out of order"
+        progress = (max(in_window) + 1 - min(in_window)) if in_window else 0
+    else:
+        progress = (max(in_window) - min(in_window) + 1) if in_window else 0
+        last_in_window = [s for t, s, _ in steps if t <= t_end]
+        progress = (last_in_window[-1] - in_window[0] + 1) if in_window else 0  # net: the step reached at t_end
+    secs = [k["seconds_to_next_step"] for k in per_kill if k["seconds_to_next_step"] is not None]
+    lost = [k["steps_lost"] for k in per_kill if "steps_lost" in k]
+    return {
+        "steps": progress, "steps_per_second": round(progress / max(t_end - t0, 1e-9), 2),
+        "kills": len(kills), "per_kill": per_kill,
+        "seconds_to_next_step_median": round(statistics.median(secs), 2) if secs else None,
+        "seconds_to_next_step_max": round(max(secs), 2) if secs else None,
+        "steps_lost_median": statistics.median(lost) if lost else None, "steps_lost_max": max(lost) if lost else None,
+        "discarded_per_kill_median": (statistics.median([k["discarded"] for k in per_kill])
+                                      if torchft_mode and per_kill else None),
+        "accuracy": round(statistics.mean(f["accuracy"] for f in finals), 4) if finals else None,
+        "workers_finished": len(finals),
+    }
+
+
+def run_step_faults(modes, out=None, **kwargs) -> dict:
+    """Every mode of ``modes`` once, one after another; each row with the machine's load."""
+    report = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "runs": []}
+    for mode in modes:
+        load_before = os.getloadavg()
+        with tempfile.TemporaryDirectory(prefix=f"step_faults_{mode}_") as tmp:
+            row = step_faults(Path(tmp), mode, **kwargs)
+        row["loadavg_before"], row["loadavg_after"] = [round(x, 2) for x in load_before], \
+            [round(x, 2) for x in os.getloadavg()]
+        report["runs"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "per_kill"}), flush=True)
+        if out:
+            Path(out).write_text(json.dumps(report, indent=1))
+    free = {r["mode"].split("_")[0]: r for r in report["runs"] if r["mode"].endswith("_free")}
+    for row in report["runs"]:
+        base = free.get("torchft") or free.get(row["mode"].split("_")[0])
+        if base and base["steps"]:
+            row["throughput_kept_vs_torchft_free"] = round(row["steps"] / base["steps"], 3)
+        own = free.get(row["mode"].split("_")[0])
+        if own and own["steps"]:
+            row["throughput_kept_vs_own_free"] = round(row["steps"] / own["steps"], 3)
+    if out:
+        Path(out).write_text(json.dumps(report, indent=1))
+    return report
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=20, help="kill-and-restart runs per family")
@@ -341,7 +555,22 @@ def main(argv=None) -> None:
     parser.add_argument("--plain_against_plugin", type=int, default=0, metavar="N",
                         help="instead: N runs of a plain torch allreduce script and N of the same joined by the "
                              "plugin, one worker killed, under torchrun --standalone --max_restarts 2")
+    parser.add_argument("--step_faults", default="", metavar="MODES",
+                        help=f"instead: throughput runs, comma-separated of {list(STEP_MODES)} (torchft at the step "
+                             "against the restart from a checkpoint; --nproc_per_node workers)")
+    parser.add_argument("--duration", type=float, default=300.0, help="--step_faults: seconds of each run")
+    parser.add_argument("--kill_every", type=float, default=30.0, help="--step_faults: seconds between kills")
+    parser.add_argument("--label", default="gradient_allreduce", help="--step_faults: the ALGORITHM_TABLE row")
     args = parser.parse_args(argv)
+    if args.step_faults:
+        modes = args.step_faults.split(",")
+        bad = [m for m in modes if m not in STEP_MODES]
+        if bad:
+            parser.error(f"argument --step_faults: unknown {bad}; valid: {list(STEP_MODES)}")
+        run_step_faults(modes, out=args.out, nproc=args.nproc_per_node, duration=args.duration,
+                        kill_every=args.kill_every, label=args.label, save_every=args.save_every, seed=args.seed,
+                        rng=random.Random(args.seed))
+        return
     if not args.plain_against_plugin and not SCRIPT.is_file():
         parser.error(f"{SCRIPT} is not there: the kill-and-restart runs need the repository's checkout "
                      "(examples/ is not installed); install the package from it (pip install -e . from its root)")

@@ -163,7 +163,8 @@ class BaguaDistributedDataParallel:
         step_hook = self.bagua_algorithm.init_post_optimizer_step_hook(self)
         for optimizer in self.bagua_optimizers:
             self._algorithm_hooks.append(optimizer.register_step_post_hook(
-                lambda optimizer, args, kwargs: step_hook(optimizer) if self.require_backward_grad_sync else None))
+                lambda optimizer, args, kwargs: self._under_ft(step_hook, optimizer)
+                if self.require_backward_grad_sync else None))
 
     def _on_forward(self, module, inputs) -> None:
         # A backward that raised never ran its queued callback: start clean.
@@ -179,7 +180,7 @@ class BaguaDistributedDataParallel:
         if self.broadcast_buffers is True or (self.broadcast_buffers == "first_step" and self.bagua_train_step_counter == 1):
             self._broadcast_buffers_now()
         if self.require_backward_grad_sync:
-            self.bagua_algorithm.init_forward_pre_hook(self)(inputs)
+            self._under_ft(self.bagua_algorithm.init_forward_pre_hook(self), inputs)
 
     def _gradient_hook(self, name: str):
         def hook(param: torch.Tensor) -> None:
@@ -188,15 +189,28 @@ class BaguaDistributedDataParallel:
             if not self._post_backward_queued:
                 self._post_backward_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-            self.bagua_algorithm.init_backward_hook(self)(name, param)
+            self._under_ft(self.bagua_algorithm.init_backward_hook(self), name, param)
 
         return hook
 
     def _on_backward_end(self) -> None:
         try:
-            self.bagua_algorithm.init_post_backward_hook(self)()
+            self._under_ft(self.bagua_algorithm.init_post_backward_hook(self))
         finally:
             self._post_backward_queued = False
+
+    def _under_ft(self, hook, *args):
+        """Run an algorithm hook; under torchft, an error of a step whose collective
+        already failed (the algorithm read a message that never came) is absorbed: the
+        step is discarded anyway, and the algorithm is built again before the next."""
+        if self.fault_tolerance is None:
+            return hook(*args)
+        try:
+            return hook(*args)
+        except Exception as exc:  # noqa: BLE001 - see fault_tolerant_step.FaultTolerantStep.absorb
+            if not self.fault_tolerance.absorb(exc):
+                raise
+            return None
 
     def _check_unchanged(self) -> None:
         """A dtype or device change after wrapping breaks the buckets: say so clearly."""
@@ -246,11 +260,13 @@ class BaguaDistributedDataParallel:
             "bucket_state": {b.name: _clone(b.state) for b in self.bagua_buckets},
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, from_peer: bool = False) -> None:
         """Restore :meth:`state_dict`'s ``state``. Saved at another world size (a job
         restarted with more or fewer workers), the algorithm's ``WORLD_SIZE_RULE``
         decides what is carried over and what is reset, and one warning says so; load
-        the model's parameters first (the rule may start state from them)."""
+        the model's parameters first (the rule may start state from them).
+        ``from_peer``: the state is another worker's (torchft's healing), so the rule
+        applies at any world size: what is each worker's own is reset, not copied."""
         expected = type(self.algorithm).__name__
         if state.get("algorithm") != expected:
             raise ValueError(
@@ -263,10 +279,11 @@ class BaguaDistributedDataParallel:
         self._bagua_backend.wait_pending_comm_ops()
         algorithm_state = state["algorithm_state"]
         saved_size, size = state.get("world_size"), comm.get_world_size(self.process_group)
-        if saved_size is not None and saved_size != size:
+        if (saved_size is not None and saved_size != size) or from_peer:
             algorithm_state, saved = self.bagua_algorithm.resized_state(self, algorithm_state, saved)
             rule = "; ".join(f"{piece}: {what}" for piece, what in self.bagua_algorithm.WORLD_SIZE_RULE.items())
-            warnings.warn(f"{expected}: state saved at world size {saved_size} is loaded at world size {size}. "
+            warnings.warn(f"{expected}: state saved at world size {saved_size} is loaded at world size {size}"
+                          f"{' from another worker' if from_peer else ''}. "
                           f"{rule} (docs/elastic.md)", RuntimeWarning, stacklevel=3)
         self.bagua_algorithm.load_state_dict(algorithm_state)
         for name, bucket_state in saved.items():
@@ -417,8 +434,10 @@ def with_bagua(
             f"process_group does not contain this process (global rank {comm.get_rank()}); "
             f"its ranks are {comm.group_ranks(process_group)}"
         )
-    _check_same_shapes(module, process_group)
-    if module.__dict__.pop("_bagua_loaded_before_wrap", False) and comm.get_world_size(process_group) > 1:
+    if not comm.fault_tolerance.active():  # under torchft no collective outside a step: healing makes them equal
+        _check_same_shapes(module, process_group)
+    if (module.__dict__.pop("_bagua_loaded_before_wrap", False) and comm.get_world_size(process_group) > 1
+            and not comm.fault_tolerance.active()):
         warnings.warn(
             "module.load_state_dict() ran before with_bagua(): with_bagua broadcasts the group's first "
             "rank's parameters, so every rank now holds rank 0's; load checkpoints after with_bagua()",
@@ -429,7 +448,11 @@ def with_bagua(
         from .fault_tolerant_step import check_supported
 
         check_supported(algorithm, optimizers, process_group)
-    impl = algorithm.reify(process_group)
+        from .fault_tolerant_step import for_quorum
+
+        impl = for_quorum(algorithm, comm.get_world_size(process_group)).reify(process_group)
+    else:
+        impl = algorithm.reify(process_group)
     if impl.needs_optimizer_step and not optimizers:
         raise ValueError(
             f"{type(algorithm).__name__} communicates after optimizer.step(): pass the module's "

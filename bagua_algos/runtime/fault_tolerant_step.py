@@ -10,16 +10,24 @@ under torchft. One step:
    default group now spans the new quorum (comm/fault_tolerance.py) and the algorithm is
    built again over it from the committed state: ``reify`` on the new group, buckets,
    hooks, then ``load_bagua_state_dict`` of the committed state, which applies the
-   algorithm's ``WORLD_SIZE_RULE`` when the number of replicas changed. A replica that
-   is behind (a new or returning one, or every replica but the first at step 0:
-   torchft's ``init_sync``) heals first: torchft fetches a live peer's state (the
-   healing state below) and it replaces this replica's model, optimizer state and
-   algorithm state;
+   algorithm's ``WORLD_SIZE_RULE`` when the number of replicas changed (``for_quorum``:
+   shift_one gossips with all peers over an odd quorum; ``AVERAGE_ON_CHANGE``: the
+   models averaged first where the rule assumes one model). A replica that is behind
+   (a new or returning one, one that discarded a step others committed, or every
+   replica but the first at step 0: torchft's ``init_sync``) heals first: torchft
+   fetches a live peer's state (the healing state below); it replaces this replica's
+   model and optimizer state, and its algorithm state is loaded as another worker's
+   (the rule applied at any size: per-worker state reset, ``PEER_RESET_BUCKET_KEYS``
+   zeroed);
 2. forward, backward and the algorithm's collectives, as without torchft; a failed
    collective is reported to the manager and the step's later collectives are skipped;
+   an error the algorithm then raises is absorbed (``absorb``) and the algorithm is
+   built again before the next step;
 3. ``optimizer.step()`` (with the algorithm's post-step hook, e.g. model averaging),
-   then ``manager.should_commit()``: True on every replica, or False on every replica,
-   and then each restores the snapshot: the step is discarded everywhere alike.
+   then ``manager.should_commit()``; False on a replica whose collectives failed, which
+   restores the snapshot: the step is discarded there (over an all-reduce on every
+   replica alike; over a gossip graph or relay tree on the lost peer's neighbours,
+   which then heal from a replica that committed it).
 
 The healing state (torchft's state_dict callback, key ``"bagua"``) is the model's
 ``state_dict()``, the optimizer's and ``bagua_state_dict()``.
@@ -28,29 +36,52 @@ The healing state (torchft's state_dict callback, key ``"bagua"``) is the model'
 from __future__ import annotations
 
 import copy
+import hashlib
+import types
+import warnings
 
 import torch
 
 from .comm import fault_tolerance as ft
 
-# Algorithms whose guarantees survive a quorum change (docs/elastic.md): the state they
-# keep is the same on every replica, or each replica's own, and their collectives are
-# all-reduces over the whole group.
-SUPPORTED = {
-    "GradientAllReduceAlgorithm": "gradient_allreduce",
-    "AllreduceAverageAlgorithm": "allreduce_average",
-    "DiLoCoAlgorithm": "diloco",
+# Algorithms refused under torchft, with the reason (docs/elastic.md). Every other
+# algorithm runs: its collectives are those of the step (so a failed one discards it),
+# and a quorum change rebuilds it over the new group and applies its WORLD_SIZE_RULE.
+REFUSED = {
+    "AsyncModelAverageAlgorithm": (
+        "its averaging rounds run on a background thread, outside the training step, so a "
+        "step's commit or roll-back cannot bound them: a round in flight across a quorum "
+        "change would mix weights of a discarded step into committed ones, and a round that "
+        "fails cannot be attributed to a step; use allreduce_average or diloco instead"
+    ),
 }
 
 
+# Algorithms whose WORLD_SIZE_RULE assumes every replica holds the same model when the
+# size changes (as after a restart from one checkpoint): low_precision_decentralized sets
+# its copies of its own and its ring neighbours' weights to its loaded weights, which is
+# right only if the neighbours loaded the same. Live, the replicas' models differ, so at
+# a quorum change they are first averaged over the new quorum (one all-reduce: a mixing
+# step with the uniform doubly stochastic matrix, which D-PSGD's analysis admits).
+AVERAGE_ON_CHANGE = {"LowPrecisionDecentralizedAlgorithm"}
+
+
+# Per-worker state that a healed replica must not take from its peer whatever the
+# algorithm's WORLD_SIZE_RULE says: an error-feedback residual is what the peer owes to
+# the sum, and the peer keeps sending it; a copy would send it twice. The rules of
+# powersgd, terngrad, sparseloco and demo reset theirs already; the allgather
+# compressors (top_k, sign_norm, signum, atomo with error_feedback) carry theirs over
+# at a new size (every rank's own, after a restart), so a heal resets it here.
+PEER_RESET_BUCKET_KEYS = ("error",)
+
+
 def check_supported(algorithm, optimizers, process_group) -> None:
-    """Refuse, by name, what does not run under torchft yet."""
+    """Refuse, by name and reason, what cannot run under torchft."""
     name = type(algorithm).__name__
-    if name not in SUPPORTED:
+    if name in REFUSED:
         raise NotImplementedError(
-            f"{name} is not supported under torchft fault tolerance yet (docs/elastic.md); "
-            f"supported: {', '.join(sorted(SUPPORTED.values()))}; run it without --torchft "
-            "(torchrun's restart from the last checkpoint)"
+            f"{name} is not supported under torchft fault tolerance: {REFUSED[name]} (docs/elastic.md); "
+            "run it without --torchft (torchrun's restart from the last checkpoint)"
         )
     if len(optimizers) != 1:
         raise ValueError(f"under torchft with_bagua() needs exactly one optimizer (the step it commits or "
@@ -61,11 +92,52 @@ def check_supported(algorithm, optimizers, process_group) -> None:
         raise ValueError("under torchft with_bagua() runs over the quorum's group: leave process_group=None")
 
 
+def for_quorum(algorithm, world_size: int):
+    """The algorithm to build over a quorum of ``world_size`` replicas: ``algorithm``
+    itself, except D-PSGD's ``shift_one`` pairing, which needs an even number of
+    workers: over an odd quorum it gossips with every peer (``peer_selection_mode
+    "all"``, the exact average) until the quorum is even again. Both mixings are doubly
+    stochastic, so D-PSGD's guarantee holds over the time-varying sequence (docs/elastic.md)."""
+    if (getattr(algorithm, "peer_selection_mode", None) == "shift_one" and getattr(algorithm, "topology", None) is None
+            and world_size % 2):
+        algorithm = copy.copy(algorithm)
+        algorithm.peer_selection_mode = "all"
+    return algorithm
+
+
 def _snapshot(ddp, optimizer) -> dict:
     with torch.no_grad():
         model = {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
     return {"model": model, "optimizer": copy.deepcopy(optimizer.state_dict()),
             "bagua": copy.deepcopy(ddp.state_dict())}
+
+
+def state_digest(state) -> str:
+    """A SHA-256 of a (nested) state: dicts by sorted key, tensors by dtype, shape and
+    bytes, other values by repr. Equal states give equal digests across processes."""
+    h = hashlib.sha256()
+
+    def walk(value):
+        if torch.is_tensor(value):
+            t = value.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(value, dict):
+            h.update(b"{")
+            for k in sorted(value, key=repr):
+                h.update(repr(k).encode())
+                walk(value[k])
+            h.update(b"}")
+        elif isinstance(value, (list, tuple)):
+            h.update(b"[")
+            for v in value:
+                walk(v)
+            h.update(b"]")
+        else:
+            h.update(repr(value).encode())
+
+    walk(state)
+    return h.hexdigest()
 
 
 class FaultTolerantStep:
@@ -81,6 +153,12 @@ class FaultTolerantStep:
         self.rebuilds = 0  # quorum changes seen (the algorithm built again)
         self._healed = None
         self._snapshot = None
+        # (manager step, state_digest) of each healing state this replica received and
+        # of each it served to a peer: a healed replica holds what its peer served
+        self.heals = []
+        self.served = []
+        self.absorbed = 0  # algorithm errors absorbed in steps whose collectives had failed
+        self._broken = False  # an absorbed error: build the algorithm again before the next step
         if "bagua" not in self.manager._user_state_dicts:
             self.manager.register_state_dict_fn("bagua", self._load_healing_state, self._healing_state)
         else:  # with_bagua() called again: the callbacks now serve this module
@@ -88,17 +166,20 @@ class FaultTolerantStep:
             self.manager._load_state_dict_fns["bagua"] = self._load_healing_state
         step = self.optimizer.step
 
-        def step_then_commit(*args, **kwargs):
+        def step_then_commit(optimizer, *args, **kwargs):
             out = step(*args, **kwargs)
             self.end_step()
             return out
 
-        self.optimizer.step = step_then_commit
+        # a bound method, as torch's LR schedulers expect of optimizer.step (they wrap its __func__)
+        self.optimizer.step = types.MethodType(step_then_commit, self.optimizer)
         self._unpatch = lambda: setattr(self.optimizer, "step", step)
 
     # --- torchft's state_dict callbacks (called inside start_quorum) ------------------
     def _healing_state(self) -> dict:
-        return self._snapshot if self._snapshot is not None else _snapshot(self.ddp, self.optimizer)
+        state = self._snapshot if self._snapshot is not None else _snapshot(self.ddp, self.optimizer)
+        self.served.append((self.manager.current_step(), state_digest(state)))
+        return state
 
     def _load_healing_state(self, state: dict) -> None:
         self._healed = state  # applied in begin_step, after the group is formed again
@@ -116,25 +197,74 @@ class FaultTolerantStep:
         ddp._bagua_backend.wait_pending_comm_ops()
         self._snapshot = _snapshot(ddp, self.optimizer)
         changed = ft.start_step()
-        if self._healed is not None:
+        if self._broken:  # the last step's algorithm errors left it half-way: build it again
+            changed = True
+        healed_now = self._healed is not None
+        if healed_now:
             healed, self._healed = self._healed, None
+            self.heals.append((self.manager.current_step(), state_digest(healed)))
             self._snapshot = {"model": healed["model"], "optimizer": healed["optimizer"], "bagua": healed["bagua"]}
             ddp.module.load_state_dict(healed["model"])
             self.optimizer.load_state_dict(healed["optimizer"])
             changed = True
-        if changed:
-            self._rebuild(self._snapshot["bagua"])
+        if changed and not ft._ft.get("unformed"):  # (unformed: no group, the step is discarded)
+            self._broken = False
+            self._rebuild(self._snapshot["bagua"], from_peer=healed_now)
+            # the committed state is now the rebuilt one (the rule applied): a discarded
+            # step restores it, a later heal serves it
+            self._snapshot["bagua"] = copy.deepcopy(ddp.state_dict())
+            with torch.no_grad():
+                self._snapshot["model"] = {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
         self.in_step = True
 
-    def _rebuild(self, bagua_state: dict) -> None:
+    def _rebuild(self, bagua_state: dict, from_peer: bool = False) -> None:
         from . import comm
 
         ddp = self.ddp
         ddp.process_group = comm._get_default_group()
-        ddp.bagua_algorithm = ddp.algorithm.reify(ddp.process_group)
+        ddp.bagua_algorithm = for_quorum(ddp.algorithm, comm.get_world_size()).reify(ddp.process_group)
         ddp._bagua_init_algorithm(broadcast=False)
-        ddp.load_state_dict(copy.deepcopy(bagua_state))
+        if type(ddp.algorithm).__name__ in AVERAGE_ON_CHANGE and comm.get_world_size() > 1:
+            self._average_parameters()
+        with warnings.catch_warnings():
+            if self.rebuilds == 0:  # the first quorum: the state was built before it, in a group of one
+                warnings.simplefilter("ignore", RuntimeWarning)
+            ddp.load_state_dict(copy.deepcopy(bagua_state), from_peer=from_peer)
+        if from_peer:
+            for bucket in ddp.bagua_buckets:
+                for key in PEER_RESET_BUCKET_KEYS:
+                    if torch.is_tensor(bucket.state.get(key)):
+                        bucket.state[key].zero_()
         self.rebuilds += 1
+
+    def _average_parameters(self) -> None:
+        from . import comm
+
+        params = [p for p in self.ddp.module.parameters()]
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1).double() for p in params])
+            out = torch.empty_like(flat)
+            comm.allreduce(flat, out, op=comm.ReduceOp.SUM)
+            if ft.step_errored():  # the step is discarded; build again before the next
+                self._broken = True
+                return
+            out /= comm.get_world_size()
+            offset = 0
+            for p in params:
+                p.copy_(out[offset:offset + p.numel()].view_as(p).to(p.dtype))
+                offset += p.numel()
+
+    def absorb(self, exc: BaseException) -> bool:
+        """Whether an error raised by the algorithm during the step is absorbed: only in
+        a step whose collective already failed (the algorithm then computed on messages
+        that never came: skipped collectives leave their outputs unwritten). The step is
+        discarded (should_commit says False) and the algorithm is built again from the
+        committed state before the next step."""
+        if not ft.step_errored():
+            return False
+        self.absorbed += 1
+        self._broken = True
+        return True
 
     def end_step(self) -> None:
         if not self.in_step:

@@ -182,11 +182,26 @@ def init(timeout: timedelta, lighthouse: Optional[str] = None, min_replicas: Opt
 
 def start_step() -> bool:
     """The step's quorum (re-forms the group if it changed, heals if behind). Returns
-    whether the quorum changed since the previous step."""
+    whether the quorum changed since the previous step.
+
+    When the manager failed to form the group (torchft reports a failed ``configure``
+    and keeps the quorum's id), the step is errored: its collectives are skipped and
+    it is discarded; until the group exists again this process works in a group of
+    its own, and the next quorum forms the group again even if its id is unchanged."""
     manager = _ft["manager"]
     before = _ft["quorum_id"]
     _ft["errored"] = None
+    if _ft.get("unformed"):
+        manager._quorum_id = -1  # torchft calls configure only for a new id: ask again
+        _ft["unformed"] = False
     manager.start_quorum()
+    failed = manager.errored()
+    if failed is not None:
+        _ft["errored"] = getattr(failed, "original_exception", failed)
+        if not dist.is_initialized():  # configure failed after destroying the old group
+            _local_world(_ft["timeout"])
+            _ft["unformed"] = True
+            _ft["quorum_id"] = -2
     return _ft["quorum_id"] != before
 
 

@@ -70,6 +70,12 @@ class RandomSelectionAlgorithm(RandomSketchAlgorithm):
 
 
 class RandomSketchAlgorithmImpl(CountsBytes, AlgorithmImpl):
+    # At another world size every rank loads the first rank's file: its residual, loaded
+    # by all n, would be sent n times, so each worker's own residual starts again at 0.
+    WORLD_SIZE_RULE = {"step counter, the shared sketch's generator": "carried over",
+                       "error-feedback residuals": "reset to zero (each worker's own residual)"}
+    RESET_BUCKET_KEYS = frozenset({"error"})
+
     def __init__(self, process_group, settings: RandomSketchAlgorithm):
         super().__init__(process_group)
         self.settings = settings

@@ -172,7 +172,7 @@ def _survivors_went_on(log_dir, phase, phase_steps, world):
                for r in _records(log_dir, "r0") if "step" in r)
 
 
-def run_phases(log_dir, labels, phase_steps=10, kill_at=2, world=3, min_replicas=2, timeout=8.0, deadline=600):
+def run_phases(log_dir, labels, phase_steps=10, kill_at=2, world=3, min_replicas=2, timeout=20.0, deadline=600):
     """``world`` replicas (r0 … r{world-1}) over one lighthouse started here train the
     rows ``labels`` one after another (tests/launch_workers/torchft_phases_worker.py);
     the last replica SIGKILLs itself at local step ``kill_at`` of every phase, and a warm

@@ -220,7 +220,7 @@ def start_step() -> bool:
 # What gloo (and the TCP under it) says when a peer's process is gone or has closed the
 # group: the step's group is broken for good, unlike a timeout on a slow peer.
 _PEER_LOST = ("connection closed by peer", "connection reset", "broken pipe", "econnreset", "econnrefused",
-              "connection refused", "read error", "write error", "epipe")
+              "connection refused", "epipe")
 
 
 def peer_lost(exc: BaseException) -> bool:

@@ -179,6 +179,7 @@ BAGUA_SPELLED = [
     "--autotune_sampling_confidence_time", "5.0", "--autotune_warmup_time", "30",
     "--default_bucket_size", "1024", "--enable_bagua_net", "--host_list", "a,b", "--ssh_port", "22",
     "--torchft", "--lighthouse", "http://h1:29510", "--min_replicas", "2", "--join_timeout", "5",
+    "--heartbeat_timeout", "3",
     "train.py", "--script_flag", "1"]
 
 

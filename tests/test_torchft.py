@@ -145,6 +145,18 @@ def test_torchft_missing_is_one_clear_line(tmp_path):
     assert "pip install 'bagua-algos[torchft]'" in out.stdout, out.stdout + out.stderr
 
 
+def test_a_lost_peer_is_told_from_a_slow_one():
+    """A step that lost a peer tears its group down before the next quorum (so that a
+    survivor blocked on a live peer is released at once); a timeout does not."""
+    from bagua_algos.runtime.comm.fault_tolerance import peer_lost
+
+    gloo = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:{}] {} [127.0.0.1]:10657."
+    assert peer_lost(RuntimeError(gloo.format(561, "Connection closed by peer")))
+    assert peer_lost(RuntimeError(gloo.format(545, "Read error") + " Connection reset by peer"))
+    assert not peer_lost(RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 8000ms "
+                                      "for recv operation to complete"))
+
+
 def test_unsupported_algorithms_are_refused_by_name():
     import torch
 

@@ -353,7 +353,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def step_faults(workdir: Path, mode: str, *, nproc=4, duration=300.0, kill_every=30.0, label="gradient_allreduce",
-                save_every=50, seed=0, min_replicas=2, heartbeat_ms=2000, rng=None) -> dict:
+                save_every=50, seed=0, min_replicas=2, heartbeat_ms=2000, join_ms=250, rng=None) -> dict:
     """One throughput run of ``mode`` (STEP_MODES): ``nproc`` CPU workers train the sweep's
     task (elastic_step_worker) for ``duration`` s; with ``*_kill`` a random worker is
     SIGKILLed every ``kill_every`` s. torchft: each worker a replica over one lighthouse
@@ -377,7 +377,9 @@ def step_faults(workdir: Path, mode: str, *, nproc=4, duration=300.0, kill_every
         if torchft_mode:
             from torchft.coordination import LighthouseServer
 
-            lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=1000,
+            # join_ms: after a loss the survivors' quorum waits this long for the dead replica
+            # while its heartbeats are fresh (heartbeat_ms), then forms without it
+            lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=join_ms,
                                           heartbeat_timeout_ms=heartbeat_ms)
             env.update(BAGUA_ALGOS_FAULT_TOLERANCE="torchft", TORCHFT_LIGHTHOUSE=lighthouse.address(),
                        BAGUA_ALGOS_MIN_REPLICAS=str(min_replicas), RUST_LOG="error")
@@ -478,7 +480,8 @@ def measure_step_faults(logs: Path, kills: list[dict], t0: float, t_end: float, 
             new_round = [t for t in starts if t > tk]
             after = [(t, s) for t, s, _ in steps if new_round and t > new_round[0]]
         after.sort()
-        entry = {"victim": kill["victim"], "seconds_to_next_step": round(after[0][0] - tk, 2) if after else None}
+        entry = {"victim": kill["victim"], "at": round(tk - t0, 2),
+                 "seconds_to_next_step": round(after[0][0] - tk, 2) if after else None}
         if torchft_mode:
             # committed steps are never taken back; the steps in flight at the kill are discarded and done again
             survivors = [who for who in records if who != kill["victim"]]
@@ -561,6 +564,10 @@ def main(argv=None) -> None:
     parser.add_argument("--duration", type=float, default=300.0, help="--step_faults: seconds of each run")
     parser.add_argument("--kill_every", type=float, default=30.0, help="--step_faults: seconds between kills")
     parser.add_argument("--label", default="gradient_allreduce", help="--step_faults: the ALGORITHM_TABLE row")
+    parser.add_argument("--join_timeout", type=float, default=0.25,
+                        help="--step_faults: the lighthouse's join timeout, seconds (torchft modes)")
+    parser.add_argument("--heartbeat_timeout", type=float, default=2.0,
+                        help="--step_faults: the lighthouse's heartbeat timeout, seconds (torchft modes)")
     args = parser.parse_args(argv)
     if args.step_faults:
         modes = args.step_faults.split(",")
@@ -569,6 +576,7 @@ def main(argv=None) -> None:
             parser.error(f"argument --step_faults: unknown {bad}; valid: {list(STEP_MODES)}")
         run_step_faults(modes, out=args.out, nproc=args.nproc_per_node, duration=args.duration,
                         kill_every=args.kill_every, label=args.label, save_every=args.save_every, seed=args.seed,
+                        join_ms=int(args.join_timeout * 1000), heartbeat_ms=int(args.heartbeat_timeout * 1000),
                         rng=random.Random(args.seed))
         return
     if not args.plain_against_plugin and not SCRIPT.is_file():

@@ -23,6 +23,7 @@ import torch
 
 
 def main(argv=None) -> None:
+    t_main = time.time()  # torch imported, bagua_algos not yet
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=("torchft", "restart"), required=True)
     p.add_argument("--stop_file", required=True,
@@ -56,7 +57,7 @@ def main(argv=None) -> None:
     start = 0
     if a.mode == "restart":
         start = bagua.resume_from_checkpoint(a.checkpoints, model, optimizer)
-    log.write(json.dumps({"start": start, "pid": os.getpid(), "t": time.time(),
+    log.write(json.dumps({"start": start, "pid": os.getpid(), "t": time.time(), "t_main": t_main,
                           "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}) + "\n")
     step = start
     n = len(data.train_y)
@@ -84,10 +85,15 @@ def main(argv=None) -> None:
         optimizer.step()
         now = time.time()
         if ftstep is not None:
+            slow = {k: round(v, 4) for k, v in ftstep.last_begin.items() if v > 0.05}
+            if slow:  # where a quorum change's time goes (docs/elastic.md)
+                log.write(json.dumps({"slow_begin": step, "t": now, "world": bagua.get_world_size(), **slow}) + "\n")
             if ftstep.last_committed:
                 log.write(json.dumps({"step": step, "t": now, "world": bagua.get_world_size()}) + "\n")
             else:
-                log.write(json.dumps({"discarded": step, "t": now}) + "\n")
+                from bagua_algos.runtime.comm import fault_tolerance as ft
+
+                log.write(json.dumps({"discarded": step, "t": now, "error": ft._ft.get("last_error")}) + "\n")
             continue
         step += 1
         log.write(json.dumps({"step": step, "t": now, "world": bagua.get_world_size()}) + "\n")

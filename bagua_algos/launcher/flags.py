@@ -385,6 +385,10 @@ FLAGS: Tuple[Flag, ...] = (
     Flag(("--join_timeout",), ENV, type=_positive_seconds, default=10.0, group=TORCHFT_GROUP,
          help="with --torchft: seconds the lighthouse it starts waits for more replicas before a quorum "
               "without them (default 10)"),
+    Flag(("--heartbeat_timeout",), ENV, type=_positive_seconds, default=2.0, group=TORCHFT_GROUP,
+         help="with --torchft: seconds without a heartbeat (a replica sends one every 0.1 s) after which "
+              "the lighthouse it starts counts a replica dead; until then a quorum waits for a dead "
+              "replica as for a live straggler (default 2; torchft's own default is longer)"),
     Flag(("--no_bagua_compat",), ENV, switch=True,
          help="do not put the compatibility package 'bagua' on the "
          "workers' PYTHONPATH (by default it is put there when no real "

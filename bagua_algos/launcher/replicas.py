@@ -59,7 +59,8 @@ def run_replicas(args: argparse.Namespace, prog: str) -> int:
             return 1
     else:
         lighthouse = LighthouseServer(bind="[::]:0", min_replicas=args.min_replicas,
-                                      join_timeout_ms=int(args.join_timeout * 1000))
+                                      join_timeout_ms=int(args.join_timeout * 1000),
+                                      heartbeat_timeout_ms=int(args.heartbeat_timeout * 1000))
         address = lighthouse.address()
         print(f"{prog}: torchft lighthouse at {address} (min_replicas={args.min_replicas})",
               file=sys.stderr, flush=True)

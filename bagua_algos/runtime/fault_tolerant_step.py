@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import time
 import types
 import warnings
 
@@ -159,6 +160,9 @@ class FaultTolerantStep:
         self.served = []
         self.absorbed = 0  # algorithm errors absorbed in steps whose collectives had failed
         self._broken = False  # an absorbed error: build the algorithm again before the next step
+        # seconds the last begin_step spent in the quorum (start_quorum: the lighthouse, a
+        # group re-formed, a heal's transfer), the heal's load and the algorithm's rebuild
+        self.last_begin = {"quorum": 0.0, "heal": 0.0, "rebuild": 0.0}
         if "bagua" not in self.manager._user_state_dicts:
             self.manager.register_state_dict_fn("bagua", self._load_healing_state, self._healing_state)
         else:  # with_bagua() called again: the callbacks now serve this module
@@ -196,7 +200,9 @@ class FaultTolerantStep:
         ddp = self.ddp
         ddp._bagua_backend.wait_pending_comm_ops()
         self._snapshot = _snapshot(ddp, self.optimizer)
+        t0 = time.perf_counter()
         changed = ft.start_step()
+        t1 = time.perf_counter()
         if self._broken:  # the last step's algorithm errors left it half-way: build it again
             changed = True
         healed_now = self._healed is not None
@@ -207,6 +213,7 @@ class FaultTolerantStep:
             ddp.module.load_state_dict(healed["model"])
             self.optimizer.load_state_dict(healed["optimizer"])
             changed = True
+        t2 = time.perf_counter()
         if changed and not ft._ft.get("unformed"):  # (unformed: no group, the step is discarded)
             self._broken = False
             self._rebuild(self._snapshot["bagua"], from_peer=healed_now)
@@ -215,6 +222,7 @@ class FaultTolerantStep:
             self._snapshot["bagua"] = copy.deepcopy(ddp.state_dict())
             with torch.no_grad():
                 self._snapshot["model"] = {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
+        self.last_begin = {"quorum": t1 - t0, "heal": t2 - t1, "rebuild": time.perf_counter() - t2}
         self.in_step = True
 
     def _rebuild(self, bagua_state: dict, from_peer: bool = False) -> None:

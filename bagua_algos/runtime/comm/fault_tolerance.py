@@ -51,6 +51,7 @@ def report_error(exc: BaseException) -> None:
     skipped) and tell the manager, so that ``should_commit`` discards the step."""
     if _ft["errored"] is None:
         _ft["errored"] = exc
+        _ft["last_error"] = f"{type(exc).__name__}: {exc}"[:300]
     manager = _ft["manager"]
     if manager is not None:
         manager.report_error(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
@@ -190,6 +191,15 @@ def start_step() -> bool:
     its own, and the next quorum forms the group again even if its id is unchanged."""
     manager = _ft["manager"]
     before = _ft["quorum_id"]
+    torn = False
+    if _ft["errored"] is not None and peer_lost(_ft["errored"]) and dist.is_initialized():
+        # The last step lost a peer: tear the group down now, before the quorum. A replica
+        # still blocked in that step's collective on a live peer (gloo: one not next to
+        # the dead one in the ring) is then released at once by the closed connections,
+        # instead of when the next quorum re-forms the group (after the lighthouse's
+        # heartbeat timeout), so every survivor asks for the next quorum together.
+        dist.destroy_process_group()
+        torn = True
     _ft["errored"] = None
     if _ft.get("unformed"):
         manager._quorum_id = -1  # torchft calls configure only for a new id: ask again
@@ -198,11 +208,24 @@ def start_step() -> bool:
     failed = manager.errored()
     if failed is not None:
         _ft["errored"] = getattr(failed, "original_exception", failed)
-        if not dist.is_initialized():  # configure failed after destroying the old group
-            _local_world(_ft["timeout"])
-            _ft["unformed"] = True
-            _ft["quorum_id"] = -2
+    elif torn and _ft["quorum_id"] == before:  # the same quorum: the group was not formed again
+        _ft["errored"] = RuntimeError("the group was torn down after a lost peer and the quorum did not change")
+    if _ft["errored"] is not None and not dist.is_initialized():  # no group: work alone, form it next step
+        _local_world(_ft["timeout"])
+        _ft["unformed"] = True
+        _ft["quorum_id"] = -2
     return _ft["quorum_id"] != before
+
+
+# What gloo (and the TCP under it) says when a peer's process is gone or has closed the
+# group: the step's group is broken for good, unlike a timeout on a slow peer.
+_PEER_LOST = ("connection closed by peer", "connection reset", "broken pipe", "econnreset", "econnrefused",
+              "connection refused", "epipe")
+
+
+def peer_lost(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__}: {exc}".lower()
+    return any(marker in text for marker in _PEER_LOST)
 
 
 def should_commit() -> bool:

@@ -37,7 +37,6 @@ cluster environments, precision are Lightning's):
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from contextlib import contextmanager
@@ -60,6 +59,7 @@ from .runtime import comm
 from .runtime.algorithm import Algorithm, GlobalAlgorithmRegistry
 from .runtime.bucket import DEFAULT_BUCKET_SIZE
 from .runtime.data_parallel import DistributedDataParallel_V1_9_0
+from .runtime.fault_tolerant_step import state_digest as _digest
 
 from . import algorithms as _algorithms  # noqa: F401,E402 - registers every algorithm name
 
@@ -347,33 +347,6 @@ def _to_cpu(value):
     if isinstance(value, (list, tuple)):
         return type(value)(_to_cpu(v) for v in value)
     return value
-
-
-def _digest(value) -> str:
-    """A fingerprint of nested state (tensor bytes, dtypes, shapes, other values)."""
-    h = hashlib.sha256()
-
-    def walk(v):
-        if torch.is_tensor(v):
-            t = v.detach().cpu().contiguous()
-            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        elif isinstance(v, dict):
-            h.update(b"{")
-            for k in sorted(v, key=repr):
-                h.update(repr(k).encode())
-                walk(v[k])
-            h.update(b"}")
-        elif isinstance(v, (list, tuple)):
-            h.update(b"[")
-            for x in v:
-                walk(x)
-            h.update(b"]")
-        else:
-            h.update(repr(v).encode())
-
-    walk(value)
-    return h.hexdigest()
 
 
 def _register(registry) -> None:

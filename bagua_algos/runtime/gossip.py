@@ -93,7 +93,6 @@ class Gossip:
         if not self.rows:
             raise ValueError("rows must name at least one member (the workers this process runs)")
         self._received: dict = {}  # (shape, dtype, device) -> [W, D, L] receive buffers
-        self._weights_as: dict = {}  # (dtype, device) -> (self weights [W, 1], weights [W, D])
         self.accelerator: Optional[StackedMix] = None
         self.table = None
         if topology is None or self.members == 1:
@@ -131,13 +130,6 @@ class Gossip:
             self._received = {key: torch.zeros(x.shape[0], self.slots, x.shape[1], dtype=x.dtype, device=x.device)}
         return self._received[key]
 
-    def _weights(self, x: torch.Tensor):
-        key = (x.dtype, x.device)
-        if key not in self._weights_as:
-            self._weights_as[key] = (self.table.self_weight.unsqueeze(1).to(x.device, x.dtype),
-                                     self.table.weight.to(x.device, x.dtype))
-        return self._weights_as[key]
-
     def mix_(self, x: torch.Tensor, step: int = 0) -> None:
         """x ← W_t x in place (``step``: the exchange's index t, for a time-varying
         topology; counted from 0)."""
@@ -162,7 +154,7 @@ class Gossip:
         received = self._buffer(rows)
         comm.neighbor_exchange([(peer, rows) for peer in self._peers],
                                [(peer, received[:, s]) for s, peer in enumerate(self._peers)], group=self.group)
-        self_weight, weight = self._weights(rows)
+        self_weight, weight = self.table.weights_as(rows)
         rows.mul_(self_weight)
         for s in range(self.slots):
             rows.addcmul_(received[:, s], weight[:, s:s + 1])
@@ -190,16 +182,8 @@ class StackedMix:
         self.n = len(table.rows)
         self._gathers = [RowGather(table.slot(k), "cpu") for k in range(table.slots)]
         self._by_device: dict = {}  # device -> its row gathers
-        self._weights_as: dict = {}  # (dtype, device) -> (self weights [n, 1], weights [n, D])
         self._prepared: dict = {}  # (x, out) -> calls
         self._spare: Optional[torch.Tensor] = None
-
-    def _weights(self, x: torch.Tensor):
-        key = (x.dtype, x.device)
-        if key not in self._weights_as:
-            self._weights_as[key] = (self.table.self_weight.unsqueeze(1).to(x.device, x.dtype),
-                                     self.table.weight.to(x.device, x.dtype))
-        return self._weights_as[key]
 
     def _gathers_on(self, device) -> list:
         key = str(device)
@@ -213,7 +197,7 @@ class StackedMix:
         key = (x.data_ptr(), out.data_ptr(), x.shape, x.stride(), out.stride(), x.dtype, x.device)
         calls = self._prepared.get(key)
         if calls is None:
-            self_weight, weight = self._weights(x)
+            self_weight, weight = self.table.weights_as(x)
             calls = [(functools.partial(torch.mul, out=out), (x, self_weight))]
             for k, gather in enumerate(self._gathers_on(x.device)):
                 calls += gather.add_calls(out, x, weight[:, k:k + 1])
@@ -239,7 +223,7 @@ class StackedMix:
         passes = engine_cpu_passes(x)
         if passes is None:
             return False
-        self_weight, weight = self._weights(x)
+        self_weight, weight = self.table.weights_as(x)
         passes.engine_gossip_mix_(x, self_weight.view(-1), self.table.neighbours, weight)
         return True
 

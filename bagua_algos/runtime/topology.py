@@ -109,6 +109,16 @@ class NeighbourTable:
         self.weight = torch.tensor([[w[j] for j in nb] + [0.0] * p for nb, w, p in zip(neighbours, weights, pad)],
                                    dtype=torch.float64).reshape(len(rows), self.slots)
         self.self_weight = torch.tensor([w[i] for i, w in zip(rows, weights)], dtype=torch.float64)
+        self._weights_as: dict = {}  # (dtype, device) -> (self weights [W, 1], weights [W, D])
+
+    def weights_as(self, x: torch.Tensor) -> tuple:
+        """(self weights ``[W, 1]``, weights ``[W, D]``) in x's dtype and on its device,
+        rounded once from the float64 table and kept."""
+        key = (x.dtype, x.device)
+        if key not in self._weights_as:
+            self._weights_as[key] = (self.self_weight.unsqueeze(1).to(x.device, x.dtype),
+                                     self.weight.to(x.device, x.dtype))
+        return self._weights_as[key]
 
     def slot(self, k: int) -> list:
         """Slot ``k``'s neighbour of every row, None where a row has none."""

@@ -188,10 +188,12 @@ class BaguaBucket:
             if self._tensor_lead:
                 if effective.dim() < 1 or not effective[0].is_contiguous():
                     return False
-                if row_stride is None:
-                    row_stride = effective.stride(0)
-                elif effective.stride(0) != row_stride:
-                    return False
+                # a single row's stride is not a layout (torch gives a size-1 dimension any)
+                if effective.shape[0] > 1:
+                    if row_stride is None:
+                        row_stride = effective.stride(0)
+                    elif effective.stride(0) != row_stride:
+                        return False
             elif not effective.is_contiguous():
                 return False
             if storage is None:

@@ -24,6 +24,7 @@ def test_without_exogym_the_command_says_how_to_get_it(monkeypatch, capsys):
     (["--adamw", "lion"], "argument --adamw"),
     (["--exogym-diloco", "fixed"], "argument --exogym-diloco"),
     (["--engine-threads", "0"], "argument --engine-threads"),
+    (["--data-order", "random"], "argument --data-order"),
 ])
 def test_bad_input_is_refused(argv, names, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -41,7 +42,7 @@ def test_the_engine_side_runs_and_is_measured(tmp_path, capsys):
     for r in records:
         assert r["steps"] == 4 and r["step_s"] > 0 and r["cpu_step_s"] > 0 and r["peak_pss_mib"] > 0
         assert 0 <= r["accuracy"] <= 1
-        assert r["threads"] == 2 and r["exogym_diloco"] == "matched"
+        assert r["threads"] == 2 and r["exogym_diloco"] == "matched" and r["data_order"] == "exogym"
 
 
 def test_matched_diloco_takes_each_outer_step_on_its_own_pseudo_gradient():
@@ -77,3 +78,18 @@ def test_matched_diloco_synchronises_after_steps_h_2h_and_the_last():
     finally:
         base.communicate = original
     assert [s for s in steps if s % 50 == 0 and s > 0] == [50, 100, 150, 200, 250, 300]
+
+
+def test_exogym_batches_are_what_each_node_s_dataloader_reads():
+    """--data-order exogym: row r of each batch is node r's next batch in EXO Gym
+    (DistributedSampler, shuffled at its seed 0, epoch 0; the last batch short)."""
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    dataset = TensorDataset(torch.arange(100))
+    mine = list(exogym_compare.exogym_batches(100, 4, 8))
+    assert [tuple(b.shape) for b in mine] == [(4, 8)] * 3 + [(4, 1)]
+    for rank in range(4):
+        loader = DataLoader(dataset, batch_size=8,
+                            sampler=DistributedSampler(dataset, num_replicas=4, rank=rank, shuffle=True))
+        assert [b[rank].tolist() for b in mine] == [x.tolist() for (x,) in loader]

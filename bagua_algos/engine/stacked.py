@@ -17,7 +17,8 @@ The views are autograd leaves of their own (views of ``params.detach()``, sharin
 memory): differentiating through slices of one ``[n, d]`` leaf would make autograd
 build a zero ``[n, d]`` gradient per parameter and add them all up, n·d work per
 parameter tensor; instead each parameter's gradient is copied once into its columns of
-the preallocated ``params.grad``.
+the preallocated ``params.grad`` (on the direct path, engine/direct.py, the backward
+writes it there itself).
 
 Buffers (BatchNorm's running statistics and count) are stacked too, ``[n, ...]`` per
 buffer, and passed to the same vmapped call: each worker's forward updates its own row

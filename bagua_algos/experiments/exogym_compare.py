@@ -21,8 +21,11 @@ strategies this command uses. Without it, the command says so and exits with 2.
 
 The task (both sides): the MNIST subset of the sweep (4000 training images, 1000 test),
 the 2-layer MLP of ``reproduce`` (784-128-128-10), 8 nodes × batch 32, ``--steps``
-steps, constant rates (no schedule), each node's data an IID share (EXO Gym: torch's
-``DistributedSampler``; the engine: the same deal, permuted per epoch). Methods:
+steps, constant rates (no schedule), each node's data an IID share: EXO Gym's torch's
+``DistributedSampler`` (its seed 0 whatever the run's, and never given the epoch: the
+same order every epoch, a short last batch of each share), and with ``--data-order
+exogym`` (the default) the engine the same batches (:func:`exogym_batches`); with
+``own`` the engine deals the sweep's shares, permuted per epoch and seed. Methods:
 
 - ``diloco``: inner AdamW (lr ``--lr-adamw``, weight decay 0.1), every ``--sync-every``
   steps an outer SGD step (lr 0.7, Nesterov momentum 0.9) on the mean pseudo-gradient
@@ -104,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exogym-diloco", choices=("matched", "as-is"), default="matched",
                    help="EXO Gym's DiLoCo: matched (default: its outer step taken on the true pseudo-gradient, after "
                         "steps H, 2H, ..., as the engine's; the module's notes) or as-is (its code unchanged)")
+    p.add_argument("--data-order", choices=("exogym", "own"), default="exogym",
+                   help="the engine's batches: exogym (default: EXO Gym's, torch's DistributedSampler at its seed 0 "
+                        "and epoch 0 every epoch, each share's last short batch included) or own (the sweep's "
+                        "iid_batches: permuted per epoch and seed, the short batch dropped)")
     p.add_argument("--engine-threads", type=int, default=1,
                    help="torch threads of the engine's process (default 1; EXO Gym's nodes keep one each)")
     p.add_argument("--sparta-fraction", type=float, default=0.005, help="SPARTA's share (EXO Gym's default)")
@@ -276,6 +283,19 @@ def run_exogym(args, method: str, seed: int) -> dict:
     return {"accuracy": _accuracy(final.net, data), "times": times}
 
 
+def exogym_batches(n_samples: int, nodes: int, batch: int):
+    """EXO Gym's batches, ``[nodes, b]`` index tensors, one epoch: each node's
+    ``DistributedSampler`` (shuffle, its default seed 0; EXO Gym never calls
+    ``set_epoch``, so every epoch is this one) read ``batch`` at a time by its
+    ``DataLoader`` (the last batch short)."""
+    from torch.utils.data import DistributedSampler
+
+    shares = [list(DistributedSampler(range(n_samples), num_replicas=nodes, rank=rank, shuffle=True))
+              for rank in range(nodes)]
+    for start in range(0, len(shares[0]), batch):
+        yield torch.tensor([share[start:start + batch] for share in shares])
+
+
 def run_engine(args, method: str, seed: int) -> dict:
     import bagua_algos.algorithms  # noqa: F401 - registers every algorithm
     from bagua_algos.engine import Engine
@@ -297,7 +317,11 @@ def run_engine(args, method: str, seed: int) -> dict:
     loss_fn = torch.nn.functional.cross_entropy
     times, epoch = [], 0
     while len(times) < args.steps:
-        for index in rt.iid_batches(len(data.train_y), args.nodes, args.batch, epoch, seed, "cpu"):
+        if args.data_order == "exogym":
+            batches = exogym_batches(len(data.train_y), args.nodes, args.batch)
+        else:
+            batches = rt.iid_batches(len(data.train_y), args.nodes, args.batch, epoch, seed, "cpu")
+        for index in batches:
             engine.step(data.train_x[index], data.train_y[index], loss_fn)
             times.append((time.perf_counter(), time.process_time()))
             if len(times) == args.steps:
@@ -319,6 +343,7 @@ def run_one(args) -> int:
     per = max(1, len(timed) - 1)
     record.update({"framework": framework, "method": method, "seed": seed, "steps": len(times),
                    "threads": torch.get_num_threads(), "exogym_diloco": args.exogym_diloco,
+                   "data_order": args.data_order,
                    "step_s": (timed[-1][0] - timed[0][0]) / per, "cpu_step_s": (timed[-1][1] - timed[0][1]) / per,
                    "in_process_s": time.perf_counter() - started})
     Path(args.result).write_text(json.dumps(record))
@@ -453,7 +478,7 @@ def main(argv=None) -> int:
             return 2
     print(f"exogym_compare: {args.nodes} nodes, MNIST subset, MLP 784-128-128-10, batch {args.batch} a node, "
           f"{args.steps} steps ({args.warmup} untimed), methods {args.method_list}, seeds {args.seed_list}, "
-          f"AdamW {args.adamw}, EXO Gym's DiLoCo {args.exogym_diloco}, engine threads {args.engine_threads}; "
+          f"AdamW {args.adamw}, EXO Gym's DiLoCo {args.exogym_diloco}, engine's data order {args.data_order}, engine threads {args.engine_threads}; "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}, "
           f"{platform.platform()}", flush=True)
     records = []

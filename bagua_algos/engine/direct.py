@@ -18,11 +18,10 @@ The weight and bias gradients go straight to the engine's gradient matrix: the
 forward is given a :class:`GradSink` (parameter name → its ``[n, *shape]`` view of
 ``params.grad``) and the backward writes ``∂W_i`` with ``bmm(..., out=view)`` and
 ``∂b_i`` with ``sum(..., out=view)`` (added with ``accumulate``), returning no gradient
-for the leaf. Through autograd, the ``[n, out, in]`` gradient was a contiguous tensor
-that autograd cloned to the leaf's strides (a row of the ``[n, d]`` matrix apart) and
-the engine then copied into its columns: two passes over every weight a step, a third
-of the engine's DiLoCo step on the MNIST MLP at 8 workers (one thread). The values are
-the same products, bit for bit.
+for the leaf. Through autograd, each gradient was a contiguous tensor the engine then
+copied into its columns (a row of the ``[n, d]`` matrix apart): a pass over every
+parameter a step, about a tenth of the engine's DiLoCo step on the MNIST MLP at 8
+workers (one thread). The values are the same products, bit for bit.
 
 A model qualifies (:func:`direct_plan`) when it is one of ``nn.Linear``, ``nn.Flatten``
 and the elementwise activations in :data:`ELEMENTWISE`, or an ``nn.Sequential`` of them

@@ -478,7 +478,8 @@ def main(argv=None) -> int:
             return 2
     print(f"exogym_compare: {args.nodes} nodes, MNIST subset, MLP 784-128-128-10, batch {args.batch} a node, "
           f"{args.steps} steps ({args.warmup} untimed), methods {args.method_list}, seeds {args.seed_list}, "
-          f"AdamW {args.adamw}, EXO Gym's DiLoCo {args.exogym_diloco}, engine's data order {args.data_order}, engine threads {args.engine_threads}; "
+          f"AdamW {args.adamw}, EXO Gym's DiLoCo {args.exogym_diloco}, engine's data order {args.data_order}, "
+          f"engine threads {args.engine_threads}; "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}, "
           f"{platform.platform()}", flush=True)
     records = []

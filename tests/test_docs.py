@@ -79,6 +79,8 @@ OUTSIDE = {
                                          "tests/launch_workers/bagua_elastic_mnist.py",
     "tasks/cifar.py": "epfml/relaysgd's task, whose weight decay the protocol 'relaysum' follows",
     "paper-code/train.py": "epfml/powersgd's training script, which the protocol 'powersgd' follows",
+    "exogym/strategy/diloco.py": "EXO Gym's DiLoCo (exo-explore/gym), which exogym_compare's matched DiLoCo follows",
+    "exogym/train_node.py": "EXO Gym's node (exo-explore/gym), whose batches exogym_compare's engine reads",
 }
 
 

@@ -121,3 +121,29 @@ def test_predict_with_average_is_every_worker_then_the_averaged_model(make, shap
     assert both.shape == (N + 1, 40)
     assert torch.equal(both[:N], workers) and torch.equal(both[N], engine.model.predict_averaged(x))
     assert len({tuple(row.tolist()) for row in workers}) > 1  # the workers do differ
+
+
+def test_a_layer_used_twice_runs_under_vmap():
+    linear = nn.Linear(4, 4)
+    assert direct_plan(nn.Sequential(linear, nn.ReLU(), linear)) is None
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["overwrite", "accumulate"])
+def test_the_backward_writes_the_gradients_into_the_engines_matrix(accumulate):
+    """The direct path's gradients go straight into X.grad (direct.GradSink): the same
+    values, bit for bit, as autograd's gradients copied (or added) there."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(N, B, 3, 4, generator=g), torch.randint(0, 3, (N, B), generator=g)
+    engine = _engine(_mlp_flatten, True)
+    model = engine.model
+    model.grads.copy_(torch.randn(model.grads.shape, generator=g))
+    before = model.grads.clone()
+    leaves = list(model._leaves.values())
+    out = model._direct(x, {**model._leaves, **model.frozen})  # no sink: autograd returns the gradients
+    expected = torch.autograd.grad(stacked_loss(nn.functional.cross_entropy)(out, y).sum(), leaves)
+    model.forward_backward(x, y, nn.functional.cross_entropy, accumulate=accumulate)
+    starts = {s.name: s.start for s in model.layout.slots}
+    for (name, view), grad in zip(model._grad_targets.items(), expected):
+        base = before[:, starts[name]:starts[name] + grad[0].numel()].view_as(grad)
+        want = base + grad if accumulate else grad
+        assert torch.equal(view, want), name

@@ -17,7 +17,8 @@ The views are autograd leaves of their own (views of ``params.detach()``, sharin
 memory): differentiating through slices of one ``[n, d]`` leaf would make autograd
 build a zero ``[n, d]`` gradient per parameter and add them all up, n·d work per
 parameter tensor; instead each parameter's gradient is copied once into its columns of
-the preallocated ``params.grad``.
+the preallocated ``params.grad`` (on the direct path, engine/direct.py, the backward
+writes it there itself).
 
 Buffers (BatchNorm's running statistics and count) are stacked too, ``[n, ...]`` per
 buffer, and passed to the same vmapped call: each worker's forward updates its own row
@@ -34,7 +35,7 @@ import torch
 from torch.func import functional_call, vmap
 
 from ..runtime.bucket import DEFAULT_BUCKET_SIZE, bucket_groups
-from .direct import direct_plan, stacked_loss
+from .direct import GradSink, direct_plan, stacked_loss
 
 __all__ = ["Slot", "BucketRange", "Layout", "StackedModel"]
 
@@ -152,7 +153,8 @@ class StackedModel:
         self.params = torch.nn.Parameter(flat.unsqueeze(0).repeat(n, 1))
         self.params.grad = torch.zeros_like(self.params)
         self._leaves = {name: view.requires_grad_() for name, view in self.param_views(self.params.detach()).items()}
-        self._grad_views = list(self.param_views(self.params.grad).values())
+        self._grad_targets = self.param_views(self.params.grad)
+        self._grad_views = list(self._grad_targets.values())
         self.buffers = {name: b.detach().unsqueeze(0).repeat(n, *([1] * b.dim())).clone()
                         for name, b in self.module.named_buffers()}
         # Parameters that do not train (requires_grad=False): the same constant for everyone.
@@ -202,8 +204,11 @@ class StackedModel:
         buffers in place (training mode)."""
         self.module.train()
 
+        sink = None
         if self._direct is not None:
-            losses = stacked_loss(loss_fn)(self._direct(x, {**self._leaves, **self.frozen}), y)
+            # the backward writes each parameter's gradient into its columns of X.grad (direct.py)
+            sink = GradSink(self._grad_targets, accumulate)
+            losses = stacked_loss(loss_fn)(self._direct(x, {**self._leaves, **self.frozen}, sink), y)
         else:
             def one(params, buffers, xi, yi):
                 out = functional_call(self.module, ({**params, **self.frozen}, buffers), (xi,))
@@ -212,7 +217,9 @@ class StackedModel:
             losses = vmap(one, randomness="different")(self._leaves, self.buffers, x, y)
         grads = torch.autograd.grad(losses.sum(), list(self._leaves.values()), allow_unused=True)
         with torch.no_grad():
-            for target, grad in zip(self._grad_views, grads):
+            for name, target, grad in zip(self._grad_targets, self._grad_views, grads):
+                if sink is not None and name in sink.written:
+                    continue  # written by the backward
                 if grad is None:  # a parameter the loss does not use: no gradient, as in a process
                     if not accumulate:
                         target.zero_()

@@ -21,8 +21,11 @@ strategies this command uses. Without it, the command says so and exits with 2.
 
 The task (both sides): the MNIST subset of the sweep (4000 training images, 1000 test),
 the 2-layer MLP of ``reproduce`` (784-128-128-10), 8 nodes × batch 32, ``--steps``
-steps, constant rates (no schedule), each node's data an IID share (EXO Gym: torch's
-``DistributedSampler``; the engine: the same deal, permuted per epoch). Methods:
+steps, constant rates (no schedule), each node's data an IID share: EXO Gym's torch's
+``DistributedSampler`` (its seed 0 whatever the run's, and never given the epoch: the
+same order every epoch, a short last batch of each share), and with ``--data-order
+exogym`` (the default) the engine the same batches (:func:`exogym_batches`); with
+``own`` the engine deals the sweep's shares, permuted per epoch and seed. Methods:
 
 - ``diloco``: inner AdamW (lr ``--lr-adamw``, weight decay 0.1), every ``--sync-every``
   steps an outer SGD step (lr 0.7, Nesterov momentum 0.9) on the mean pseudo-gradient
@@ -45,8 +48,15 @@ child, EXO Gym's and the engine's alike, interleaved per seed, and its process t
 memory is sampled every 0.1 s. Step time: EXO Gym's strategy is subclassed only to
 note the time on rank 0 after each step (its loop is unchanged: the step ends with its
 barrier), the engine's steps are timed in the same way; both over the steps after the
-first ``--warmup``. Threads: one torch thread per process on both sides (EXO Gym's 8
-processes can use every core; the engine's one process uses one).
+first ``--warmup``. Threads: one torch thread per EXO Gym process (its 8 processes can
+use every core); the engine's one process takes ``--engine-threads`` (default 1).
+
+EXO Gym's DiLoCo (``--exogym-diloco``): ``matched`` (the default) runs EXO Gym's
+strategy with two changes (:class:`_MatchedDiLoCo`), so that both sides train the same
+method: the outer step after steps H, 2H, … (EXO Gym's after H + 1, 2H + 1, …, never at
+the last step) and each outer step on its own pseudo-gradient (EXO Gym's rank 0 aliases
+its parameters with the master model's after the first synchronisation, which makes
+every later pseudo-gradient zero). ``as-is`` runs EXO Gym's code unchanged.
 """
 
 from __future__ import annotations
@@ -94,6 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adamw", choices=tuple(ADAMW), default="fused",
                    help="torch's AdamW implementation, both sides (DiLoCo's and SPARTA's inner optimizer): "
                         "fused (default; one kernel a tensor), foreach, or for-loop (torch's default on a CPU)")
+    p.add_argument("--exogym-diloco", choices=("matched", "as-is"), default="matched",
+                   help="EXO Gym's DiLoCo: matched (default: its outer step taken on the true pseudo-gradient, after "
+                        "steps H, 2H, ..., as the engine's; the module's notes) or as-is (its code unchanged)")
+    p.add_argument("--data-order", choices=("exogym", "own"), default="exogym",
+                   help="the engine's batches: exogym (default: EXO Gym's, torch's DistributedSampler at its seed 0 "
+                        "and epoch 0 every epoch, each share's last short batch included) or own (the sweep's "
+                        "iid_batches: permuted per epoch and seed, the short batch dropped)")
+    p.add_argument("--engine-threads", type=int, default=1,
+                   help="torch threads of the engine's process (default 1; EXO Gym's nodes keep one each)")
     p.add_argument("--sparta-fraction", type=float, default=0.005, help="SPARTA's share (EXO Gym's default)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a run may take")
     p.add_argument("--out", default=None, help="write every run's record here (JSON)")
@@ -117,7 +136,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [f for f in args.framework_list if f not in FRAMEWORKS]
     if bad or not args.framework_list:
         parser.error(f"argument --frameworks: expected some of {', '.join(FRAMEWORKS)}, got {args.frameworks!r}")
-    for name in ("nodes", "steps", "batch", "sync_every"):
+    for name in ("nodes", "steps", "batch", "sync_every", "engine_threads"):
         if getattr(args, name) < 1:
             parser.error(f"argument --{name.replace('_', '-')}: expected an integer >= 1")
     if not 0 <= args.warmup < args.steps:
@@ -168,19 +187,67 @@ class _StepClock:
             Path(f"{self.clock_path}.{self.rank}").write_text(json.dumps(times))
 
 
+class _MatchedDiLoCo:
+    """Mixed into EXO Gym's ``DiLoCoCommunicator`` (exogym/strategy/diloco.py) for
+    ``--exogym-diloco matched``: the DiLoCo the engine runs, two changes to it.
+
+    - The schedule: EXO Gym calls ``communicate`` after the inner step with the step
+      count from 0, before incrementing it (communicate_optimize_strategy.py, ``step``;
+      strategy.py line 63), and synchronises at ``local_step % H == 0 and local_step >
+      0`` (diloco.py line 34): after steps H + 1, 2H + 1, … (1-based), never after the
+      last of 300 with H = 50. Given ``local_step + 1`` it synchronises after steps H, 2H,
+      …, the last included, as the engine (and the paper, torchft).
+    - The outer step: ``_synchronize_master_model`` (diloco.py line 67) sets rank 0's
+      ``param.data`` to the master model's tensor, so from the first synchronisation on
+      rank 0's parameters and the master's are one tensor: the next all-reduce averages
+      the master in place, the pseudo-gradient master − average (line 62) is 0, and
+      every outer step after the first is the averaged model moved by the decaying
+      Nesterov momentum of the first. Here the master's values are copied into the
+      parameters instead, so each outer step takes its own pseudo-gradient.
+    """
+
+    def communicate(self, model, rank, num_nodes, local_step):
+        super().communicate(model, rank, num_nodes, local_step + 1)
+
+    def _synchronize_master_model(self, model):
+        master = self.master_model.state_dict()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.data.copy_(master[name].to(param.device))
+
+
+class _MatchedStrategy:
+    """Mixed into the timed DiLoCo strategy: its communicator becomes the matched one."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        old = self.diloco_comm
+        matched = globals()["MatchedDiLoCoCommunicator"].__new__(globals()["MatchedDiLoCoCommunicator"])
+        matched.__dict__.update(old.__dict__)
+        self.diloco_comm = matched
+        self.communication_modules = [matched if m is old else m for m in self.communication_modules]
+
+
 def _timed_strategies() -> dict:
     """method -> EXO Gym's strategy class with the clock mixed in (module-level names, so
-    that they pickle into EXO Gym's spawned processes); {} without EXO Gym."""
+    that they pickle into EXO Gym's spawned processes), ``diloco-matched`` the one with
+    :class:`_MatchedDiLoCo`; {} without EXO Gym."""
     try:
         from exogym.strategy import DeMoStrategy, DiLoCoStrategy, SPARTAStrategy
+        from exogym.strategy.diloco import DiLoCoCommunicator
     except ImportError:
         return {}
+
+    def define(name, bases):
+        if name not in globals():
+            globals()[name] = type(name, bases, {"__module__": __name__, "__qualname__": name})
+        return globals()[name]
+
     classes = {}
     for method, base in (("diloco", DiLoCoStrategy), ("demo", DeMoStrategy), ("sparta", SPARTAStrategy)):
-        name = f"Timed{base.__name__}"
-        if name not in globals():
-            globals()[name] = type(name, (_StepClock, base), {"__module__": __name__, "__qualname__": name})
-        classes[method] = globals()[name]
+        classes[method] = define(f"Timed{base.__name__}", (_StepClock, base))
+    define("MatchedDiLoCoCommunicator", (_MatchedDiLoCo, DiLoCoCommunicator))
+    classes["diloco-matched"] = define("TimedMatchedDiLoCoStrategy", (_MatchedStrategy, classes["diloco"]))
     return classes
 
 
@@ -196,7 +263,7 @@ def run_exogym(args, method: str, seed: int) -> dict:
     train = torch.utils.data.TensorDataset(data.train_x, data.train_y)
     val = torch.utils.data.TensorDataset(data.test_x[:64], data.test_y[:64])
     clock = Path(tempfile.mkdtemp(prefix="exogym_clock_")) / "times.json"
-    timed = _timed_strategies()[method]
+    timed = _timed_strategies()["diloco-matched" if method == "diloco" and args.exogym_diloco == "matched" else method]
     adamw = OptimSpec(torch.optim.AdamW, lr=args.lr_adamw, weight_decay=0.1, **ADAMW[args.adamw])
     if method == "diloco":
         strategy = timed(optim_spec=adamw, H=args.sync_every, clock_path=str(clock))
@@ -214,6 +281,19 @@ def run_exogym(args, method: str, seed: int) -> dict:
     # rank 0's wall clock (every step ends with EXO Gym's barrier); the CPU time of all nodes
     times = [(wall, sum(rank[i][1] for rank in ranks)) for i, (wall, _) in enumerate(ranks[0])]
     return {"accuracy": _accuracy(final.net, data), "times": times}
+
+
+def exogym_batches(n_samples: int, nodes: int, batch: int):
+    """EXO Gym's batches, ``[nodes, b]`` index tensors, one epoch: each node's
+    ``DistributedSampler`` (shuffle, its default seed 0; EXO Gym never calls
+    ``set_epoch``, so every epoch is this one) read ``batch`` at a time by its
+    ``DataLoader`` (the last batch short)."""
+    from torch.utils.data import DistributedSampler
+
+    shares = [list(DistributedSampler(range(n_samples), num_replicas=nodes, rank=rank, shuffle=True))
+              for rank in range(nodes)]
+    for start in range(0, len(shares[0]), batch):
+        yield torch.tensor([share[start:start + batch] for share in shares])
 
 
 def run_engine(args, method: str, seed: int) -> dict:
@@ -237,7 +317,11 @@ def run_engine(args, method: str, seed: int) -> dict:
     loss_fn = torch.nn.functional.cross_entropy
     times, epoch = [], 0
     while len(times) < args.steps:
-        for index in rt.iid_batches(len(data.train_y), args.nodes, args.batch, epoch, seed, "cpu"):
+        if args.data_order == "exogym":
+            batches = exogym_batches(len(data.train_y), args.nodes, args.batch)
+        else:
+            batches = rt.iid_batches(len(data.train_y), args.nodes, args.batch, epoch, seed, "cpu")
+        for index in batches:
             engine.step(data.train_x[index], data.train_y[index], loss_fn)
             times.append((time.perf_counter(), time.process_time()))
             if len(times) == args.steps:
@@ -251,13 +335,15 @@ def run_engine(args, method: str, seed: int) -> dict:
 
 def run_one(args) -> int:
     framework, method, seed = args.one[0], args.one[1], int(args.one[2])
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.engine_threads if framework == "engine" else 1)
     started = time.perf_counter()
     record = (run_exogym if framework == "exogym" else run_engine)(args, method, seed)
     times = record.pop("times")
     timed = times[args.warmup:]
     per = max(1, len(timed) - 1)
     record.update({"framework": framework, "method": method, "seed": seed, "steps": len(times),
+                   "threads": torch.get_num_threads(), "exogym_diloco": args.exogym_diloco,
+                   "data_order": args.data_order,
                    "step_s": (timed[-1][0] - timed[0][0]) / per, "cpu_step_s": (timed[-1][1] - timed[0][1]) / per,
                    "in_process_s": time.perf_counter() - started})
     Path(args.result).write_text(json.dumps(record))
@@ -297,7 +383,8 @@ def _tree_pss_kib(root: int) -> int:
 def _run_child(args, framework: str, method: str, seed: int, argv: list) -> dict:
     """One run in a fresh child, its process tree's PSS sampled; its record."""
     result = Path(tempfile.mkdtemp(prefix="exogym_compare_")) / "run.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    threads = args.engine_threads if framework == "engine" else 1
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     command = [sys.executable, "-m", "bagua_algos.experiments.exogym_compare", *argv,
                "--one", framework, method, str(seed), "--result", str(result)]
     started = time.perf_counter()
@@ -391,7 +478,8 @@ def main(argv=None) -> int:
             return 2
     print(f"exogym_compare: {args.nodes} nodes, MNIST subset, MLP 784-128-128-10, batch {args.batch} a node, "
           f"{args.steps} steps ({args.warmup} untimed), methods {args.method_list}, seeds {args.seed_list}, "
-          f"AdamW {args.adamw}; "
+          f"AdamW {args.adamw}, EXO Gym's DiLoCo {args.exogym_diloco}, engine's data order {args.data_order}, "
+          f"engine threads {args.engine_threads}; "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}, "
           f"{platform.platform()}", flush=True)
     records = []

@@ -41,7 +41,7 @@ import torch
 from ..arguments import check_choice, check_real, check_seed, rank_seed
 from ..runtime import comm
 from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry, PostOptimizerStepHook
-from ..runtime.comm.stacked import count_neighbor_exchange
+from ..runtime.comm.stacked import count_bytes, neighbor_exchange_bytes
 from ..runtime.rows import RowGather, run_calls
 from ..runtime.topology import NeighbourTable, check_topology_arg, resolve_topology
 from .model_averaging import ModelAveragingAlgorithmImpl
@@ -90,22 +90,24 @@ def relay_messages(x: torch.Tensor, received: torch.Tensor, out: torch.Tensor) -
 
 
 def relay_average(x: torch.Tensor, received: torch.Tensor, n_bar: torch.Tensor, mode: str, world_size: int,
-                  x0: torch.Tensor | None, slot_rows: list | None = None) -> None:
+                  x0: torch.Tensor | None) -> None:
     """x ← the relay average of x (= x½, ``[W, L]``) and the ``received`` messages
     (``[W, D, L]``, lost and absent ones zero), in place: (x + Σ m) / n̄ in mode "count",
     (x + Σ m + (n − n̄)·x0) / n in mode "world_size" (``x0`` None: zero, as for relayed
-    updates). ``n_bar``: each worker's count,
-    ``[W]`` float64. ``slot_rows`` (the engine): per slot, the
-    :class:`~bagua_algos.runtime.rows.RowGather` of the rows that have that slot, None
-    for every row; the others hold zeros there (no neighbour), a term their processes,
-    whose slots are their own neighbours, do not add."""
+    updates). ``n_bar``: each worker's count, ``[W]`` float64."""
     for s in range(received.shape[1]):
-        if slot_rows is None or slot_rows[s] is None:
-            x.add_(received[:, s])
-        else:
-            slot_rows[s].add_(x, received[:, s])
+        x.add_(received[:, s])
+    relay_divide(x, n_bar, mode, world_size, x0)
+
+
+def relay_divide(x: torch.Tensor, n_bar: torch.Tensor, mode: str, world_size: int, x0: torch.Tensor | None,
+                 n_bar_column: torch.Tensor | None = None) -> None:
+    """The average's last part, on x = x½ + Σ m: x / n̄ (mode "count"; ``n_bar_column``:
+    n̄ already as ``[W, 1]`` in x's dtype, if at hand) or (x + (n − n̄)·x0) / n."""
     if mode == "count":
-        x.div_(n_bar.to(device=x.device, dtype=x.dtype).unsqueeze(1))
+        if n_bar_column is None:
+            n_bar_column = n_bar.to(device=x.device, dtype=x.dtype).unsqueeze(1)
+        x.div_(n_bar_column)
         return
     missing = world_size - n_bar
     if x0 is not None and bool((missing != 0).any()):
@@ -148,60 +150,139 @@ class _Tree:
 
 
 class _StackedDelivery:
-    """The engine's accelerator of one tree's exchange: every message m_{j→i} is built
+    """The engine's accelerator of one tree's step: every message m_{j→i} is built
     straight into the slot of the receive buffer it arrives in (row i, i's slot for j),
-    from j's rows, with :func:`relay_messages`' terms in its order (x_j, then j's other
-    slots ascending, padded ones included), so the engine's workers hold what the
-    exchange of built messages would give them, bit for bit, without the message buffer,
-    the messages no worker receives, and the exchange's row-gather copy. A row without a
-    slot keeps what it holds there (zeros, as the exchange leaves it).
+    from j's rows, with the terms its process adds in their order, so the engine's
+    workers hold what the exchange of built messages would give them, bit for bit,
+    without the message buffer, the messages no worker receives, and the exchange's
+    row-gather copy. A row without a slot keeps what it holds there (zeros).
 
-    The plan, per receive slot s and sender slot q: the rows i whose s-th neighbour j has
-    i in its slot q, as a :class:`~bagua_algos.runtime.rows.RowGather` i → j (a tree's
-    rows are a few arithmetic runs: a few strided passes each). :meth:`slot_rows` gives
-    :func:`relay_average` the rows that have each slot, so it adds no zero slot."""
+    A message of j adds x_j, then j's *own* neighbours' slots other than the receiver's,
+    ascending: as :func:`relay_messages` in j's process, whose slots are j's neighbours
+    (the engine's padded slots hold zeros, which j's process does not add: a leaf's
+    message is a copy of x_j). Of a worker with three neighbours (slots a < b < c), as in
+    :func:`relay_messages`, (x + r_a) serves two messages: m_b = (x + r_a) + r_c and
+    m_c = (x + r_a) + r_b, the latter read from where m_b is being built.
+
+    The plan, in passes over rows (each a :class:`~bagua_algos.runtime.rows.RowGather`; a
+    tree's rows are a few arithmetic runs: a few strided passes each): first every
+    message's first term (a copy of x_j, or x_j + its first relayed slot), then the
+    messages that start from another's (x + r_a), then the remaining terms, the k-th
+    term of every message in the k-th round. :meth:`average` adds each slot to x on the
+    rows that have it (the others hold zeros, a term their processes never add), then
+    divides. The passes are prepared once per (x, received, target) and kept: the two
+    buffers swap every step, so a slice has two plans."""
 
     def __init__(self, neighbours: torch.Tensor):
         table, slots = neighbours.tolist(), neighbours.shape[1]
-        self.groups = []  # (receive slot s, index i → j, j's slots other than q, in order)
-        for s in range(slots):
-            by_sender_slot: dict = {}
-            for i, row in enumerate(table):
-                j = row[s]
-                if j >= 0:
-                    by_sender_slot.setdefault(table[j].index(i), [None] * len(table))[i] = j
-            for q, index in sorted(by_sender_slot.items()):
-                self.groups.append((s, index, [t for t in range(slots) if t != q]))
-        self._gathers: dict = {}  # device → a RowGather per group
-        # per slot, the rows that have it (None: every row), for relay_average
+        rows = len(table)
+        self.rows, self.slots = rows, slots
+        present = [[t for t in range(slots) if row[t] >= 0] for row in table]
+
+        def entry(groups, key):
+            return groups.setdefault(key, [None] * rows)
+
+        # the passes, as index lists keyed by what they read and write:
+        first: dict = {}  # (receive slot s, first relayed slot t or None: a copy) → row i ← sender j
+        derived: dict = {}  # (receive slot s, slot s_b of the message it starts from, slot b) → i ← (i_b, j)
+        more: dict = {}  # (round k ≥ 1, receive slot s, relayed slot t) → i ← j
+        for j, row in enumerate(table):
+            own = present[j]
+            to = {q: (row[q], table[row[q]].index(j)) for q in own}  # sender slot q → (receiver i, its slot s)
+            if len(own) == 3:
+                a, b, c = own
+                (i_a, s_a), (i_b, s_b), (i_c, s_c) = to[a], to[b], to[c]
+                entry(first, (s_a, b))[i_a] = j  # m_a = (x + r_b) + r_c
+                entry(more, (1, s_a, c))[i_a] = j
+                entry(first, (s_b, a))[i_b] = j  # m_b = (x + r_a) + r_c
+                entry(derived, (s_c, s_b, b))[i_c] = (i_b, j)  # m_c = (x + r_a) + r_b, before m_b adds r_c
+                entry(more, (1, s_b, c))[i_b] = j
+                continue
+            for q in own:
+                i, s = to[q]
+                terms = [t for t in own if t != q]
+                entry(first, (s, terms[0] if terms else None))[i] = j
+                for k, t in enumerate(terms[1:], 1):
+                    entry(more, (k, s, t))[i] = j
+        self._first = sorted(first.items(), key=lambda item: (item[0][0], -1 if item[0][1] is None else item[0][1]))
+        self._derived = sorted(derived.items())
+        self._more = sorted(more.items())
+        # per slot, the rows that have it (None: every row), for the average
         self._present = [None if all(row[s] >= 0 for row in table) else
                          [i if row[s] >= 0 else None for i, row in enumerate(table)] for s in range(slots)]
-        self._slot_rows: dict = {}  # device → a RowGather (or None) per slot
+        # the counts: c_{j→i} is sender j's outgoing[j, q], i's arriving[i, s]
+        self._count_source = torch.tensor([[row[s] * slots + table[row[s]].index(i) if row[s] >= 0 else 0
+                                            for s in range(slots)] for i, row in enumerate(table)],
+                                          dtype=torch.long).reshape(rows, slots)
+        self._count_absent = neighbours < 0
+        self._gathers: dict = {}  # device → the RowGathers of the passes
+        self._plans: dict = {}  # (x, received, target) → the message passes; (x, received) → the average's adds
 
-    def slot_rows(self, device) -> list:
-        """Per slot, the :class:`~bagua_algos.runtime.rows.RowGather` of the rows that have
-        it (row i from row i), None where every row has it."""
+    def _gathers_on(self, device) -> dict:
         key = str(device)
-        if key not in self._slot_rows:
-            self._slot_rows[key] = [None if rows is None else RowGather(rows, device) for rows in self._present]
-        return self._slot_rows[key]
+        if key not in self._gathers:
+            self._gathers[key] = {
+                "first": [(k, RowGather(index, device)) for k, index in self._first],
+                "derived": [(k, RowGather(index, device)) for k, index in self._derived],
+                "more": [(k, RowGather(index, device)) for k, index in self._more],
+                "present": [None if rows is None else RowGather(rows, device) for rows in self._present]}
+        return self._gathers[key]
+
+    def _plan(self, key: tuple, build) -> list:
+        if key not in self._plans:
+            if len(self._plans) >= 16:  # the parameters moved: forget the old tensors' plans
+                self._plans.clear()
+            self._plans[key] = build()
+        return self._plans[key]
 
     def deliver(self, x: torch.Tensor, received: torch.Tensor, target: torch.Tensor) -> None:
-        """target[i, s] ← m_{j→i} = x_j + Σ_{t≠q} received[j, t] (``x`` ``[W, L]``, the
-        buffers ``[W, D, L]``; target overlaps neither)."""
-        key = str(x.device)
-        if key not in self._gathers:
-            self._gathers[key] = [RowGather(index, x.device) for _, index, _ in self.groups]
-        calls = []
-        for (s, _, others), gather in zip(self.groups, self._gathers[key]):
-            out = target[:, s]
-            if not others:
-                calls += gather.copy_calls(out, x)
-                continue
-            calls += gather.sum_calls(out, x, received[:, others[0]])
-            for t in others[1:]:
-                calls += gather.add_calls(out, received[:, t])
-        run_calls(calls)
+        """target[i, s] ← m_{j→i}, j = i's s-th neighbour (``x`` ``[W, L]``, the buffers
+        ``[W, D, L]``; target overlaps neither)."""
+        def build():
+            gathers, calls = self._gathers_on(x.device), []
+            for (s, t), gather in gathers["first"]:
+                calls += (gather.copy_calls(target[:, s], x) if t is None else
+                          gather.sum_calls(target[:, s], x, received[:, t]))
+            for (s, s_b, b), gather in gathers["derived"]:
+                calls += gather.sum_calls(target[:, s], target[:, s_b], received[:, b])
+            for (_, s, t), gather in gathers["more"]:
+                calls += gather.add_calls(target[:, s], received[:, t])
+            return calls
+
+        run_calls(self._plan(("deliver", _identity(x), _identity(received), _identity(target)), build))
+
+    def average(self, x: torch.Tensor, received: torch.Tensor, n_bar: torch.Tensor, mode: str, world_size: int,
+                x0: torch.Tensor | None) -> None:
+        """:func:`relay_average` of the engine's rows: slot s added on the rows that have
+        it, in slot order, then the division."""
+        def build():
+            calls = []
+            for s, gather in enumerate(self._gathers_on(x.device)["present"]):
+                calls += ([(torch.Tensor.add_, (x, received[:, s]))] if gather is None else
+                          gather.add_calls(x, received[:, s]))
+            return calls
+
+        run_calls(self._plan(("average", _identity(x), _identity(received)), build))
+        relay_divide(x, n_bar, mode, world_size, x0, self._column(n_bar, x))
+
+    def _column(self, n_bar: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """n̄ as ``[W, 1]`` in x's dtype, kept while n̄ is the same tensor (the counts at
+        their fixed point)."""
+        kept = getattr(self, "_n_bar", None)
+        if kept is None or kept[0] is not n_bar or kept[1].dtype != x.dtype or kept[1].device != x.device:
+            self._n_bar = kept = (n_bar, n_bar.to(device=x.device, dtype=x.dtype).unsqueeze(1))
+        return kept[1]
+
+    def deliver_counts(self, outgoing: torch.Tensor) -> torch.Tensor:
+        """The counts each row receives (``[W, D]`` float64, zero where it has no
+        neighbour) from every row's ``outgoing`` (:func:`relay_counts`): the exchange's
+        result, a gather of the same values."""
+        return outgoing.reshape(-1)[self._count_source].masked_fill_(self._count_absent, 0.0)
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    """What a prepared pass depends on: the tensor's memory and layout."""
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, str(t.device)
 
 
 class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
@@ -258,6 +339,10 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
         self._ranges: dict = {}  # bucket name → the coordinate range of each tree
         self._spare: dict = {}  # (bucket name, tree) → the buffer the next messages arrive in
         self._messages: dict = {}  # (bucket name, tree) → the buffer this step's messages are built in
+        # the engine: no drops and the counts at their fixed point (then not recomputed),
+        # and the bytes a step counts, per layout
+        self._counts_fixed = False
+        self._bytes_key, self._step_bytes = None, 0
 
     @property
     def generator(self) -> torch.Generator:
@@ -290,19 +375,17 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
         if not buckets:
             self.step += 1
             return
+        if self._delivery is not None:
+            self._stacked_step(buckets)
+            return
         flats = [bucket.flat_view() for bucket in buckets]
         sends, recvs = [], []
         for bucket, flat in zip(buckets, flats):
             for k, tree in enumerate(self._trees):
                 start, end = self._ranges[bucket.name][k]
-                received = bucket.state["relay_received"][k]
+                messages = relay_messages(flat[:, start:end], bucket.state["relay_received"][k],
+                                          self._messages[(bucket.name, k)])
                 target = self._spare[(bucket.name, k)]
-                x = flat[:, start:end]
-                if self._delivery is not None:  # the engine: the exchange's result, built in place
-                    self._delivery[k].deliver(x, received, target)
-                    count_neighbor_exchange(self.process_group, [(peer, x) for peer in tree.peers])
-                    continue
-                messages = relay_messages(x, received, self._messages[(bucket.name, k)])
                 for s, peer in enumerate(tree.peers):
                     sends.append((peer, messages[:, s]))
                     recvs.append((peer, target[:, s]))
@@ -318,35 +401,92 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
         count_buffers = [torch.empty_like(t) for t in arriving_columns]
         counts = comm.start_neighbor_exchange(count_sends, [(peer, buf) for (peer, _), buf in
                                                             zip(count_recvs, count_buffers)], group=self.process_group)
-        if self._delivery is None:
-            comm.neighbor_exchange(sends, recvs, group=self.process_group)
+        comm.neighbor_exchange(sends, recvs, group=self.process_group)
         counts.wait()
         for column, buf in zip(arriving_columns, count_buffers):
             column.copy_(buf)
+        dropped, n_bars = self._take_counts(incoming)
+        for bucket, flat in zip(buckets, flats):
+            for k in range(len(self._trees)):
+                start, end = self._ranges[bucket.name][k]
+                arrived = self._arrive(bucket, k, dropped)
+                relay_average(flat[:, start:end], arrived, n_bars[k], self.mode, self.world_size,
+                              self._x0(bucket, start, end))
+            bucket.write_flat(flat)
+        self.last_counts = n_bars
+        self.step += 1
 
+    def _stacked_step(self, buckets) -> None:
+        """relay_step on the one-process engine, every row a worker: the same values
+        (``_StackedDelivery``), the messages built where they arrive, the counts a gather
+        of the rows' counts, the same bytes counted. Without drops the counts reach a
+        fixed point (after about the tree's diameter in steps: c_{i→j} then counts the
+        workers behind i), from where they are not recomputed."""
+        flats = [bucket.flat_view() for bucket in buckets]
+        for bucket, flat in zip(buckets, flats):
+            for k, delivery in enumerate(self._delivery):
+                start, end = self._ranges[bucket.name][k]
+                delivery.deliver(flat[:, start:end], bucket.state["relay_received"][k], self._spare[(bucket.name, k)])
+        count_bytes(self._stacked_bytes(buckets, flats))
+        if self._counts_fixed:
+            dropped, n_bars = None, self.last_counts
+        else:
+            before = list(self._heard)
+            dropped, n_bars = self._take_counts([delivery.deliver_counts(relay_counts(heard))
+                                                 for delivery, heard in zip(self._delivery, self._heard)])
+            # without drops the next counts depend on these alone: equal twice, equal for ever
+            self._counts_fixed = self.drop_rate == 0.0 and all(map(torch.equal, before, self._heard))
+        for bucket, flat in zip(buckets, flats):
+            for k, delivery in enumerate(self._delivery):
+                start, end = self._ranges[bucket.name][k]
+                arrived = self._arrive(bucket, k, dropped)
+                delivery.average(flat[:, start:end], arrived, n_bars[k], self.mode, self.world_size,
+                                 self._x0(bucket, start, end))
+            bucket.write_flat(flat)
+        self.last_counts = n_bars
+        self.step += 1
+
+    def _stacked_bytes(self, buckets, flats) -> int:
+        """The bytes one step's exchanges count on the engine (messages and counts), as
+        comm's stacked exchange counts them; computed once per layout."""
+        key = tuple((bucket.name, flat.shape[1], flat.dtype) for bucket, flat in zip(buckets, flats))
+        if self._bytes_key != key:
+            nbytes = 0
+            for bucket, flat in zip(buckets, flats):
+                for k, tree in enumerate(self._trees):
+                    start, end = self._ranges[bucket.name][k]
+                    nbytes += neighbor_exchange_bytes(
+                        self.process_group, [(peer, flat[:, start:end]) for peer in tree.peers])
+            for tree, heard in zip(self._trees, self._heard):
+                nbytes += neighbor_exchange_bytes(
+                    self.process_group, [(peer, heard[:, s].contiguous()) for s, peer in enumerate(tree.peers)])
+            self._bytes_key, self._step_bytes = key, nbytes
+        return self._step_bytes
+
+    def _take_counts(self, incoming: list) -> tuple:
+        """This step's counts: the drops drawn, c_{j→i} heard (a lost message's zero) and
+        n̄ per tree. Returns (dropped: ``[W, D]`` bool per tree, n̄: ``[W]`` per tree)."""
         dropped = self._simulate_drops()  # [W, D] per tree: the messages lost this step
         n_bars = []
         for k, (tree, arriving) in enumerate(zip(self._trees, incoming)):
             kept = tree.present & ~dropped[k]
             self._heard[k] = torch.where(kept, arriving, torch.zeros_like(arriving))
             n_bars.append(1.0 + self._heard[k].sum(1))
-        for bucket, flat in zip(buckets, flats):
-            for k in range(len(self._trees)):
-                start, end = self._ranges[bucket.name][k]
-                key = (bucket.name, k)
-                arrived = self._spare[key]
-                if bool(dropped[k].any()):  # a lost message neither counts nor is relayed next step
-                    arrived.masked_fill_(dropped[k].to(arrived.device).unsqueeze(2), 0)
-                # the arrived messages are the state now; last step's buffer takes the next ones
-                self._spare[key], bucket.state["relay_received"][k] = bucket.state["relay_received"][k], arrived
-                x0 = None
-                if "relay_x0" in bucket.state:
-                    x0 = bucket.state["relay_x0"][:, start:end]
-                slot_rows = None if self._delivery is None else self._delivery[k].slot_rows(arrived.device)
-                relay_average(flat[:, start:end], arrived, n_bars[k], self.mode, self.world_size, x0, slot_rows)
-            bucket.write_flat(flat)
-        self.last_counts = n_bars
-        self.step += 1
+        return dropped, n_bars
+
+    def _arrive(self, bucket, k: int, dropped) -> torch.Tensor:
+        """The messages of tree k that arrived (the spare buffer), lost ones zeroed, made
+        the state; last step's buffer becomes the spare. Returns them."""
+        key = (bucket.name, k)
+        arrived = self._spare[key]
+        if dropped is not None and bool(dropped[k].any()):  # a lost message neither counts nor is relayed
+            arrived.masked_fill_(dropped[k].to(arrived.device).unsqueeze(2), 0)
+        self._spare[key], bucket.state["relay_received"][k] = bucket.state["relay_received"][k], arrived
+        return arrived
+
+    @staticmethod
+    def _x0(bucket, start: int, end: int):
+        return bucket.state["relay_x0"][:, start:end] if "relay_x0" in bucket.state else None
 
     def _simulate_drops(self) -> list:
         """Per tree, ``[W, D]`` bool: the messages of this step that are lost (each
@@ -389,6 +529,7 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
         # here, before its messages would be copied into this one's buffers.
         # A key missing is one that WORLD_SIZE_RULE resets: it keeps its set-up value.
         super().load_state_dict(state)
+        self._counts_fixed = False  # the loaded counts may be any step's
         if "received_counts" in state:
             keys = self._count_keys()
             saved = state["received_counts"]

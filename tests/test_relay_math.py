@@ -386,7 +386,7 @@ def test_the_engines_step_is_the_exchange_path_on_the_same_rows(topology, kwargs
     counts' fixed point."""
     from bagua_algos.engine import Engine
 
-    n, steps = 9, 14  # a chain of 9 has diameter 8: its counts are fixed by step 10
+    n, steps = 9, 23  # a chain of 9: its counts fixed by step 10, its strips back in the middle at 10 and 19
     runs = []
     for accelerated in (True, False):
         torch.manual_seed(0)
@@ -394,11 +394,15 @@ def test_the_engines_step_is_the_exchange_path_on_the_same_rows(topology, kwargs
         engine = Engine(net, n, RelayAlgorithm(topology=topology, **kwargs),
                         lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
         impl = engine.runtime.bagua_algorithm
-        assert impl._delivery is not None
+        assert [type(d).__name__ for d in impl._delivery] == (
+            ["_ChainStrips"] if topology == "chain" else ["_StackedDelivery"] * len(impl._delivery))
         if not accelerated:  # the exchange path, as in a job, on the stacked rows
             impl._delivery = None
-            for key, spare in impl._spare.items():
-                impl._messages[key] = torch.empty_like(spare)
+            for bucket in engine.runtime.bagua_buckets:
+                for k, received in bucket.state["relay_received"].items():
+                    bucket.state["relay_received"][k] = torch.zeros(received.shape)
+                    impl._spare[(bucket.name, k)] = torch.zeros(received.shape)
+                    impl._messages[(bucket.name, k)] = torch.empty(received.shape)
         g = torch.Generator().manual_seed(3)
         sent = []
         for _ in range(steps):
@@ -407,6 +411,7 @@ def test_the_engines_step_is_the_exchange_path_on_the_same_rows(topology, kwargs
             engine.step(x, y, torch.nn.functional.cross_entropy)
             sent.append(comm.reset_bytes_sent())
         buckets = engine.runtime.bagua_buckets
+        assert impl._counts_fixed == (accelerated and not kwargs.get("drop_rate"))
         runs.append((torch.cat([b.flat_view().clone() for b in buckets], 1), sent, impl.state_dict(),
                      [{k: v.clone() for k, v in b.state["relay_received"].items()} for b in buckets]))
     (params, sent, state, received), (params_x, sent_x, state_x, received_x) = runs

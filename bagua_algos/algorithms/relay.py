@@ -217,6 +217,22 @@ class _StackedDelivery:
         self._count_absent = neighbours < 0
         self._gathers: dict = {}  # device → the RowGathers of the passes
         self._plans: dict = {}  # (x, received, target) → the message passes; (x, received) → the average's adds
+        self._spare: dict = {}  # slice → the buffer its next messages arrive in
+
+    def new_state(self, key, shape: tuple, dtype, device) -> torch.Tensor:
+        """A slice's messages before any arrived (zeros, ``[W, D, L]``: its state in
+        ``bucket.state``), and the spare buffer its next messages arrive in."""
+        self._spare[key] = torch.zeros(shape, dtype=dtype, device=device)
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    def step(self, key, x: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        """This step's messages of slice ``key`` from x½ and the last ones (``received``,
+        the state): returns the buffer they arrived in, the new state; ``received``
+        becomes the spare."""
+        arrived = self._spare[key]
+        self.deliver(x, received, arrived)
+        self._spare[key] = received
+        return arrived
 
     def _gathers_on(self, device) -> dict:
         key = str(device)
@@ -285,6 +301,74 @@ def _identity(t: torch.Tensor) -> tuple:
     return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, str(t.device)
 
 
+class _ChainStrips(_StackedDelivery):
+    """The engine's accelerator of a chain (worker i's neighbours i − 1, then i + 1; n ≥
+    3): each new message is written in place over the one it relays.
+
+    On a chain m_{i→i+1} = r_i = x_i + r_{i−1} and m_{i→i−1} = l_i = x_i + l_{i+1}, each
+    message one add over the one it relays (a + b == b + a exactly, so adding x_i into
+    r_{i−1} rounds as x_i + r_{i−1}); the end workers' messages are copies of their x.
+    In the state ``[W, 2, L]`` row i's slot 0 holds r_{i−1} (row 0's: l_1, its one
+    neighbour's) and slot 1 holds l_{i+1} (rows 1 … n − 2; zeros on the end rows). The
+    state is a view of one storage of 4n rows, each slot a run of n consecutive rows
+    (slot 0 from row o0, slot 1 from row o1): a step moves slot 0 one row down (r_i takes
+    the row of r_{i−1}) and slot 1 one row up (l_i takes the row of l_{i+1}), so the two
+    long passes add in place, a row at each end is copied or zeroed, and no second buffer
+    is written. After n steps the two runs are copied back to the middle (two passes every
+    n steps). An in-place add costs about two thirds of one into another buffer on this
+    CPU (docs/engine.md, "Relay on the engine, again")."""
+
+    @staticmethod
+    def fits(neighbours: torch.Tensor) -> bool:
+        n = neighbours.shape[0]
+        return n >= 3 and neighbours.tolist() == [[1, -1]] + [[i - 1, i + 1] for i in range(1, n - 1)] + [[n - 2, -1]]
+
+    def __init__(self, neighbours: torch.Tensor):
+        super().__init__(neighbours)
+        self._strips: dict = {}  # slice → [storage, steps since the runs were in the middle, the state's view]
+
+    def new_state(self, key, shape: tuple, dtype, device) -> torch.Tensor:
+        n, _, width = shape
+        storage = torch.zeros(4 * n, width, dtype=dtype, device=device)
+        view = self._view(storage, 0)
+        self._strips[key] = [storage, 0, view]
+        return view
+
+    def _view(self, storage: torch.Tensor, moved: int) -> torch.Tensor:
+        """The state ``[n, 2, L]`` after ``moved`` steps: slot 0 from row n − moved, slot 1
+        from row 2n + moved."""
+        n, width = self.rows, storage.shape[1]
+        o0, o1 = n - moved, 2 * n + moved
+        return storage.as_strided((n, 2, width), (width, (o1 - o0) * width, 1), o0 * width)
+
+    def step(self, key, x: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        strip = self._strips[key]
+        storage, moved, view = strip
+        if received is not view:  # the state was replaced rather than loaded into its tensor
+            view.copy_(received)
+        n = self.rows
+        if moved == n:  # the runs reached the storage's ends: back to the middle
+            storage[n:2 * n].copy_(storage[:n])
+            storage[2 * n:3 * n].copy_(storage[3 * n:])
+            moved = 0
+        o0, o1 = n - moved, 2 * n + moved  # this step's state: slot 0 from row o0, slot 1 from o1
+        torch.add(x[1], storage[o1 + 1], out=storage[o0 - 1])  # l_1 = x_1 + l_2, to row 0's slot 0
+        storage[o0].copy_(x[0])  # r_0 = x_0 (over l_1, which nobody relays)
+        storage[o0 + 1:o0 + n - 1].add_(x[1:n - 1])  # r_i = x_i + r_{i−1}, i = 1 … n − 2, in place
+        storage[o1 + 2:o1 + n - 1].add_(x[2:n - 1])  # l_i = x_i + l_{i+1}, i = 2 … n − 2, in place
+        storage[o1 + n - 1].copy_(x[n - 1])  # l_{n−1} = x_{n−1} (over a zero)
+        storage[o1 + 1].zero_()  # row 0's slot 1 (was l_2, relayed into l_1 above)
+        storage[o1 + n].zero_()  # row n − 1's slot 1
+        strip[1], strip[2] = moved + 1, self._view(storage, moved + 1)
+        return strip[2]
+
+    def average(self, x: torch.Tensor, received: torch.Tensor, n_bar: torch.Tensor, mode: str, world_size: int,
+                x0: torch.Tensor | None) -> None:
+        x.add_(received[:, 0])  # every row has a slot 0
+        x[1:-1].add_(received[1:-1, 1])  # the inner rows a slot 1
+        relay_divide(x, n_bar, mode, world_size, x0, self._column(n_bar, x))
+
+
 class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
     """Per bucket, in ``bucket.state`` (saved by ``bagua_state_dict()`` with no code of
     its own): ``relay_received`` (tree → the last messages received, ``[W, D, L]``, a
@@ -330,8 +414,8 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
         # one branch on the backend left in an algorithm: on the engine every receiver's
         # slot is a row of the same process, so building there saves the message buffer
         # and the exchange's copy (docs/engine.md, "Relay on the engine, again")
-        self._delivery = ([_StackedDelivery(t.neighbours) for t in self._trees]
-                          if comm.is_stacked(process_group) else None)
+        self._delivery = ([(_ChainStrips if _ChainStrips.fits(t.neighbours) else _StackedDelivery)(t.neighbours)
+                           for t in self._trees] if comm.is_stacked(process_group) else None)
         # c_{j→i} heard last step, per tree: [W, D] float64 on the CPU (read on the host
         # every step, so on a GPU they travel over gloo beside the messages instead of
         # costing a device synchronisation)
@@ -356,10 +440,12 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
         received = bucket.state["relay_received"] = {}
         for k, (tree, (start, end)) in enumerate(zip(self._trees, self._ranges[bucket.name])):
             shape = (len(self.rows), tree.slots, end - start)
+            if self._delivery is not None:  # the engine builds its messages where they arrive
+                received[k] = self._delivery[k].new_state((bucket.name, k), shape, bucket.dtype, bucket.device)
+                continue
             received[k] = torch.zeros(shape, dtype=bucket.dtype, device=bucket.device)
             self._spare[(bucket.name, k)] = torch.zeros(shape, dtype=bucket.dtype, device=bucket.device)
-            if self._delivery is None:  # the engine builds its messages where they arrive
-                self._messages[(bucket.name, k)] = torch.empty(shape, dtype=bucket.dtype, device=bucket.device)
+            self._messages[(bucket.name, k)] = torch.empty(shape, dtype=bucket.dtype, device=bucket.device)
         if self.mode == "world_size" and self.relays_models:
             # with_bagua broadcast the parameters before calling us: this is the common x0.
             bucket.state["relay_x0"] = bucket.flat_view().detach().clone()
@@ -426,7 +512,8 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
         for bucket, flat in zip(buckets, flats):
             for k, delivery in enumerate(self._delivery):
                 start, end = self._ranges[bucket.name][k]
-                delivery.deliver(flat[:, start:end], bucket.state["relay_received"][k], self._spare[(bucket.name, k)])
+                received = bucket.state["relay_received"]
+                received[k] = delivery.step((bucket.name, k), flat[:, start:end], received[k])  # what arrived
         count_bytes(self._stacked_bytes(buckets, flats))
         if self._counts_fixed:
             dropped, n_bars = None, self.last_counts
@@ -439,7 +526,9 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
         for bucket, flat in zip(buckets, flats):
             for k, delivery in enumerate(self._delivery):
                 start, end = self._ranges[bucket.name][k]
-                arrived = self._arrive(bucket, k, dropped)
+                arrived = bucket.state["relay_received"][k]
+                if dropped is not None and bool(dropped[k].any()):  # a lost message neither counts nor is relayed
+                    arrived.masked_fill_(dropped[k].to(arrived.device).unsqueeze(2), 0)
                 delivery.average(flat[:, start:end], arrived, n_bars[k], self.mode, self.world_size,
                                  self._x0(bucket, start, end))
             bucket.write_flat(flat)
@@ -479,7 +568,7 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
         the state; last step's buffer becomes the spare. Returns them."""
         key = (bucket.name, k)
         arrived = self._spare[key]
-        if dropped is not None and bool(dropped[k].any()):  # a lost message neither counts nor is relayed
+        if bool(dropped[k].any()):  # a lost message neither counts nor is relayed next step
             arrived.masked_fill_(dropped[k].to(arrived.device).unsqueeze(2), 0)
         self._spare[key], bucket.state["relay_received"][k] = bucket.state["relay_received"][k], arrived
         return arrived

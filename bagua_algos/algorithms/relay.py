@@ -225,13 +225,18 @@ class _StackedDelivery:
         self._spare[key] = torch.zeros(shape, dtype=dtype, device=device)
         return torch.zeros(shape, dtype=dtype, device=device)
 
-    def step(self, key, x: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
-        """This step's messages of slice ``key`` from x½ and the last ones (``received``,
-        the state): returns the buffer they arrived in, the new state; ``received``
-        becomes the spare."""
+    def step(self, key, x: torch.Tensor, received: torch.Tensor, n_bar: torch.Tensor, mode: str, world_size: int,
+             x0: torch.Tensor | None, dropped: torch.Tensor | None = None) -> torch.Tensor:
+        """One step of slice ``key``: the messages from x½ and the last ones (``received``,
+        the state) into the spare buffer, the lost ones (``dropped``, ``[W, D]``) zeroed,
+        and x ← the average. Returns the buffer they arrived in, the new state;
+        ``received`` becomes the spare."""
         arrived = self._spare[key]
-        self.deliver(x, received, arrived)
         self._spare[key] = received
+        self.deliver(x, received, arrived)
+        if dropped is not None and bool(dropped.any()):  # a lost message neither counts nor is relayed
+            arrived.masked_fill_(dropped.to(arrived.device).unsqueeze(2), 0)
+        self.average(x, arrived, n_bar, mode, world_size, x0)
         return arrived
 
     def _gathers_on(self, device) -> dict:
@@ -246,39 +251,39 @@ class _StackedDelivery:
 
     def _plan(self, key: tuple, build) -> list:
         if key not in self._plans:
-            if len(self._plans) >= 16:  # the parameters moved: forget the old tensors' plans
+            if len(self._plans) >= 64 + 4 * self.rows:  # the parameters moved: forget the old tensors' plans
                 self._plans.clear()
             self._plans[key] = build()
         return self._plans[key]
 
+    def _message_calls(self, x: torch.Tensor, received: torch.Tensor, target: torch.Tensor) -> list:
+        gathers, calls = self._gathers_on(x.device), []
+        for (s, t), gather in gathers["first"]:
+            calls += (gather.copy_calls(target[:, s], x) if t is None else
+                      gather.sum_calls(target[:, s], x, received[:, t]))
+        for (s, s_b, b), gather in gathers["derived"]:
+            calls += gather.sum_calls(target[:, s], target[:, s_b], received[:, b])
+        for (_, s, t), gather in gathers["more"]:
+            calls += gather.add_calls(target[:, s], received[:, t])
+        return calls
+
+    def _average_calls(self, x: torch.Tensor, received: torch.Tensor) -> list:
+        calls = []
+        for s, gather in enumerate(self._gathers_on(x.device)["present"]):
+            calls += [(torch.Tensor.add_, (x, received[:, s]))] if gather is None else gather.add_calls(x, received[:, s])
+        return calls
+
     def deliver(self, x: torch.Tensor, received: torch.Tensor, target: torch.Tensor) -> None:
         """target[i, s] ← m_{j→i}, j = i's s-th neighbour (``x`` ``[W, L]``, the buffers
         ``[W, D, L]``; target overlaps neither)."""
-        def build():
-            gathers, calls = self._gathers_on(x.device), []
-            for (s, t), gather in gathers["first"]:
-                calls += (gather.copy_calls(target[:, s], x) if t is None else
-                          gather.sum_calls(target[:, s], x, received[:, t]))
-            for (s, s_b, b), gather in gathers["derived"]:
-                calls += gather.sum_calls(target[:, s], target[:, s_b], received[:, b])
-            for (_, s, t), gather in gathers["more"]:
-                calls += gather.add_calls(target[:, s], received[:, t])
-            return calls
-
-        run_calls(self._plan(("deliver", _identity(x), _identity(received), _identity(target)), build))
+        run_calls(self._plan(("deliver", _identity(x), _identity(received), _identity(target)),
+                             lambda: self._message_calls(x, received, target)))
 
     def average(self, x: torch.Tensor, received: torch.Tensor, n_bar: torch.Tensor, mode: str, world_size: int,
                 x0: torch.Tensor | None) -> None:
         """:func:`relay_average` of the engine's rows: slot s added on the rows that have
         it, in slot order, then the division."""
-        def build():
-            calls = []
-            for s, gather in enumerate(self._gathers_on(x.device)["present"]):
-                calls += ([(torch.Tensor.add_, (x, received[:, s]))] if gather is None else
-                          gather.add_calls(x, received[:, s]))
-            return calls
-
-        run_calls(self._plan(("average", _identity(x), _identity(received)), build))
+        run_calls(self._plan(("average", _identity(x), _identity(received)), lambda: self._average_calls(x, received)))
         relay_divide(x, n_bar, mode, world_size, x0, self._column(n_bar, x))
 
     def _column(self, n_bar: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -299,6 +304,7 @@ class _StackedDelivery:
 def _identity(t: torch.Tensor) -> tuple:
     """What a prepared pass depends on: the tensor's memory and layout."""
     return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, str(t.device)
+
 
 
 class _ChainStrips(_StackedDelivery):
@@ -341,7 +347,8 @@ class _ChainStrips(_StackedDelivery):
         o0, o1 = n - moved, 2 * n + moved
         return storage.as_strided((n, 2, width), (width, (o1 - o0) * width, 1), o0 * width)
 
-    def step(self, key, x: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+    def step(self, key, x: torch.Tensor, received: torch.Tensor, n_bar: torch.Tensor, mode: str, world_size: int,
+             x0: torch.Tensor | None, dropped: torch.Tensor | None = None) -> torch.Tensor:
         strip = self._strips[key]
         storage, moved, view = strip
         if received is not view:  # the state was replaced rather than loaded into its tensor
@@ -354,13 +361,17 @@ class _ChainStrips(_StackedDelivery):
         o0, o1 = n - moved, 2 * n + moved  # this step's state: slot 0 from row o0, slot 1 from o1
         torch.add(x[1], storage[o1 + 1], out=storage[o0 - 1])  # l_1 = x_1 + l_2, to row 0's slot 0
         storage[o0].copy_(x[0])  # r_0 = x_0 (over l_1, which nobody relays)
-        storage[o0 + 1:o0 + n - 1].add_(x[1:n - 1])  # r_i = x_i + r_{i−1}, i = 1 … n − 2, in place
-        storage[o1 + 2:o1 + n - 1].add_(x[2:n - 1])  # l_i = x_i + l_{i+1}, i = 2 … n − 2, in place
         storage[o1 + n - 1].copy_(x[n - 1])  # l_{n−1} = x_{n−1} (over a zero)
         storage[o1 + 1].zero_()  # row 0's slot 1 (was l_2, relayed into l_1 above)
         storage[o1 + n].zero_()  # row n − 1's slot 1
+        storage[o0 + 1:o0 + n - 1].add_(x[1:n - 1])  # r_i = x_i + r_{i−1}, i = 1 … n − 2, in place
+        storage[o1 + 2:o1 + n - 1].add_(x[2:n - 1])  # l_i = x_i + l_{i+1}, i = 2 … n − 2, in place
         strip[1], strip[2] = moved + 1, self._view(storage, moved + 1)
-        return strip[2]
+        arrived = strip[2]  # slot 0 from row o0 − 1, slot 1 from o1 + 1
+        if dropped is not None and bool(dropped.any()):  # a lost message neither counts nor is relayed
+            arrived.masked_fill_(dropped.to(arrived.device).unsqueeze(2), 0)
+        self.average(x, arrived, n_bar, mode, world_size, x0)
+        return arrived
 
     def average(self, x: torch.Tensor, received: torch.Tensor, n_bar: torch.Tensor, mode: str, world_size: int,
                 x0: torch.Tensor | None) -> None:
@@ -509,12 +520,9 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
         fixed point (after about the tree's diameter in steps: c_{i→j} then counts the
         workers behind i), from where they are not recomputed."""
         flats = [bucket.flat_view() for bucket in buckets]
-        for bucket, flat in zip(buckets, flats):
-            for k, delivery in enumerate(self._delivery):
-                start, end = self._ranges[bucket.name][k]
-                received = bucket.state["relay_received"]
-                received[k] = delivery.step((bucket.name, k), flat[:, start:end], received[k])  # what arrived
         count_bytes(self._stacked_bytes(buckets, flats))
+        # the counts first (they do not depend on the messages): each slice's step then
+        # knows its drops and n̄, and builds, delivers and averages in one sweep
         if self._counts_fixed:
             dropped, n_bars = None, self.last_counts
         else:
@@ -524,13 +532,12 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
             # without drops the next counts depend on these alone: equal twice, equal for ever
             self._counts_fixed = self.drop_rate == 0.0 and all(map(torch.equal, before, self._heard))
         for bucket, flat in zip(buckets, flats):
+            received = bucket.state["relay_received"]
             for k, delivery in enumerate(self._delivery):
                 start, end = self._ranges[bucket.name][k]
-                arrived = bucket.state["relay_received"][k]
-                if dropped is not None and bool(dropped[k].any()):  # a lost message neither counts nor is relayed
-                    arrived.masked_fill_(dropped[k].to(arrived.device).unsqueeze(2), 0)
-                delivery.average(flat[:, start:end], arrived, n_bars[k], self.mode, self.world_size,
-                                 self._x0(bucket, start, end))
+                received[k] = delivery.step((bucket.name, k), flat[:, start:end], received[k], n_bars[k], self.mode,
+                                            self.world_size, self._x0(bucket, start, end),
+                                            None if dropped is None else dropped[k])
             bucket.write_flat(flat)
         self.last_counts = n_bars
         self.step += 1

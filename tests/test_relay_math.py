@@ -375,16 +375,21 @@ def test_the_engines_average_is_each_process_average(tree, mode):
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("topology,kwargs", [
-    ("chain", {}), ("chain", {"mode": "world_size"}), ("binary_tree", {}), ("double_binary_tree", {}),
-    ("double_binary_tree", {"drop_rate": 0.3, "seed": 5}), ("chain", {"drop_rate": 0.2, "seed": 1})])
-def test_the_engines_step_is_the_exchange_path_on_the_same_rows(topology, kwargs):
-    """The engine's relay step (``_StackedDelivery``, the counts gathered, then not
-    recomputed once fixed) against the exchange path (relay_messages, comm's stacked
-    neighbour exchange, relay_average over the padded slots) on the same stacked rows:
-    the same parameters bit for bit, the same bytes counted, the same state, past the
-    counts' fixed point."""
+@pytest.mark.parametrize("topology,kwargs,chunk_bytes", [
+    ("chain", {}, None), ("chain", {}, 1), ("chain", {"mode": "world_size"}, 1), ("binary_tree", {}, None),
+    ("double_binary_tree", {}, None), ("double_binary_tree", {"drop_rate": 0.3, "seed": 5}, None),
+    ("chain", {"drop_rate": 0.2, "seed": 1}, None)])
+def test_the_engines_step_is_the_exchange_path_on_the_same_rows(topology, kwargs, chunk_bytes, monkeypatch):
+    """The engine's relay step (``_StackedDelivery``, ``_ChainStrips``, the counts
+    gathered, then not recomputed once fixed) against the exchange path (relay_messages,
+    comm's stacked neighbour exchange, relay_average over the padded slots) on the same
+    stacked rows: the same parameters bit for bit, the same bytes counted, the same
+    state, past the counts' fixed point (and a chain's with chunks of one row)."""
+    from bagua_algos.algorithms import relay
     from bagua_algos.engine import Engine
+
+    if chunk_bytes is not None:
+        monkeypatch.setattr(relay, "CHAIN_CHUNK_BYTES", chunk_bytes)
 
     n, steps = 9, 23  # a chain of 9: its counts fixed by step 10, its strips back in the middle at 10 and 19
     runs = []

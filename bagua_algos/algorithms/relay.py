@@ -29,7 +29,9 @@ received into a second, which becomes the state; the two swap roles every step. 
 one-process engine every message is a row of the state already there, so each is built
 straight into the receive slot it arrives in, with the same terms in the same order
 (``_StackedDelivery``: no message buffer, no exchange copy; the bytes are counted as the
-exchange would count them).
+exchange would count them); on a chain each new message is written in place over the one
+it relays (``_ChainStrips``), and the counts, a gather of the rows' own, are no longer
+recomputed once fixed (no drops).
 """
 
 from __future__ import annotations
@@ -218,6 +220,7 @@ class _StackedDelivery:
         self._gathers: dict = {}  # device → the RowGathers of the passes
         self._plans: dict = {}  # (x, received, target) → the message passes; (x, received) → the average's adds
         self._spare: dict = {}  # slice → the buffer its next messages arrive in
+        self._n_bar = None  # (n̄, n̄ as a column in x's dtype) of the last step
 
     def new_state(self, key, shape: tuple, dtype, device) -> torch.Tensor:
         """A slice's messages before any arrived (zeros, ``[W, D, L]``: its state in
@@ -289,7 +292,7 @@ class _StackedDelivery:
     def _column(self, n_bar: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """n̄ as ``[W, 1]`` in x's dtype, kept while n̄ is the same tensor (the counts at
         their fixed point)."""
-        kept = getattr(self, "_n_bar", None)
+        kept = self._n_bar
         if kept is None or kept[0] is not n_bar or kept[1].dtype != x.dtype or kept[1].device != x.device:
             self._n_bar = kept = (n_bar, n_bar.to(device=x.device, dtype=x.dtype).unsqueeze(1))
         return kept[1]
@@ -560,7 +563,7 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
                 start, end = self._ranges[bucket.name][k]
                 received[k] = delivery.step((bucket.name, k), flat[:, start:end], received[k], n_bars[k], self.mode,
                                             self.world_size, self._x0(bucket, start, end),
-                                            None if dropped is None else dropped[k])
+                                            None if dropped is None or self.drop_rate == 0.0 else dropped[k])
             bucket.write_flat(flat)
         self.last_counts = n_bars
         self.step += 1

@@ -306,7 +306,7 @@ class _StackedDelivery:
 
 def _identity(t: torch.Tensor) -> tuple:
     """What a prepared pass depends on: the tensor's memory and layout."""
-    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, str(t.device)
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
 
 
 
@@ -557,12 +557,13 @@ class RelayAlgorithmImpl(ModelAveragingAlgorithmImpl):
                                                  for delivery, heard in zip(self._delivery, self._heard)])
             # without drops the next counts depend on these alone: equal twice, equal for ever
             self._counts_fixed = self.drop_rate == 0.0 and all(map(torch.equal, before, self._heard))
+        world_size = self.world_size
         for bucket, flat in zip(buckets, flats):
             received = bucket.state["relay_received"]
             for k, delivery in enumerate(self._delivery):
                 start, end = self._ranges[bucket.name][k]
                 received[k] = delivery.step((bucket.name, k), flat[:, start:end], received[k], n_bars[k], self.mode,
-                                            self.world_size, self._x0(bucket, start, end),
+                                            world_size, self._x0(bucket, start, end),
                                             None if dropped is None or self.drop_rate == 0.0 else dropped[k])
             bucket.write_flat(flat)
         self.last_counts = n_bars

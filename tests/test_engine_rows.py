@@ -87,3 +87,24 @@ def test_the_gossip_mix_is_the_rows_formula(topology):
     assert torch.equal(mix.mix(spare, x), mix.mix(expected, torch.empty_like(x)))
 
 
+
+
+@pytest.mark.parametrize("index", [
+    [None, (0, 1), (2, 2), (4, 3), None, (6, 4)],  # a run: rows step 1, sources (2, 1)
+    [None] + [(6 - i % 7, 5 - i % 6) for i in range(20)]])  # rows whose sources fall: the fallback
+def test_a_gather_of_pairs_sums_two_sources_at_rows_of_their_own(index):
+    """sum_calls over an index of (a_row, b_row) pairs: out[r] = a[a_row] + b[b_row] (relay's
+    messages that start from another message: (x + r_a) + r_b)."""
+    g = torch.Generator().manual_seed(len(index))
+    a, b, out = torch.randn(7, 5, generator=g), torch.randn(6, 5, generator=g), torch.randn(len(index), 5, generator=g)
+    expected = out.clone()
+    for r, pair in enumerate(index):
+        if pair is not None:
+            expected[r] = torch.add(a[pair[0]], b[pair[1]])
+    gather = RowGather(index, "cpu")
+    assert (gather.runs is None) == (len(index) > 6)  # (the second's runs: more than MAX_RUNS)
+    got = out.clone()
+    run_calls(gather.sum_calls(got, a, b))
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="pairs serve sum_calls"):
+        gather.add_calls(out, a)

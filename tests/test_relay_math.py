@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from bagua_algos.algorithms import RelayAlgorithm
 from bagua_algos.algorithms.relay import _StackedDelivery, _Tree, relay_average, relay_counts, relay_messages
 from bagua_algos.runtime import comm
-from bagua_algos.runtime.comm.stacked import StackedGroup, count_neighbor_exchange, stacked_world
+from bagua_algos.runtime.comm.stacked import StackedGroup, stacked_world
 from bagua_algos.runtime.topology import check_topology_arg, resolve_topology
 from topologies import Topology
 
@@ -314,53 +314,114 @@ def _star(n):
     return Star(n)
 
 
+def _own_slots(shape_tree, i) -> int:
+    """Worker i's number of neighbours: its process's number of slots."""
+    return int(shape_tree.present[i].sum())
+
+
 @pytest.mark.parametrize("tree", ["chain", "binary_tree", "double_binary_tree", "star"])
 @pytest.mark.parametrize("n", [2, 5, 13, 64])
-def test_the_engines_delivery_is_the_exchange_of_built_messages(tree, n):
+def test_the_engines_delivery_is_each_process_messages_exchanged(tree, n):
     """On the engine relay builds each message in the receive slot it arrives in
-    (``_StackedDelivery``): the same bits as relay_messages then comm's stacked neighbour
-    exchange, for every tree of a topology (its padded slots holding values too), with
-    the same bytes counted, and nothing written to a row's absent slots."""
+    (``_StackedDelivery``): the same bits as each worker's process building its messages
+    (relay_messages over its own slots) and sending them, for every tree of a topology,
+    the engine's padded slots not read (they hold values here), nothing written to a
+    row's absent slots; and the counts each row receives are its neighbours'."""
     topology = _star(n) if tree == "star" else resolve_topology(tree, n, require_tree=True)
-    world = StackedGroup(n)
     g = torch.Generator().manual_seed(n)
     for t in topology.trees:
         shape_tree = _Tree(t, list(range(n)), list(range(n)))
-        slots = shape_tree.slots
-        x = torch.randn(n, 41, generator=g)
-        received = torch.randn(n, slots, 41, generator=g)
-        by_exchange = torch.full((n, slots, 41), 7.0)
-        by_delivery = by_exchange.clone()
-        messages = relay_messages(x, received, torch.empty(n, slots, 41))
-        with stacked_world(world):
-            comm.reset_bytes_sent()
-            comm.neighbor_exchange([(p, messages[:, s]) for s, p in enumerate(shape_tree.peers)],
-                                   [(p, by_exchange[:, s]) for s, p in enumerate(shape_tree.peers)], group=world)
-            exchanged = comm.reset_bytes_sent()
-            _StackedDelivery(shape_tree.neighbours).deliver(x, received, by_delivery)
-            count_neighbor_exchange(world, [(p, x) for p in shape_tree.peers])
-            assert comm.reset_bytes_sent() == exchanged
-        assert torch.equal(by_delivery, by_exchange)
-        absent = ~shape_tree.present
-        assert bool((by_delivery[absent] == 7.0).all())
+        slots, neighbours = shape_tree.slots, shape_tree.neighbours.tolist()
+        x = spread_values(n * 41, g).view(n, 41)
+        received = spread_values(n * slots * 41, g).view(n, slots, 41)
+        expected = torch.full((n, slots, 41), 7.0)
+        outgoing = torch.randint(0, 50, (n, slots), generator=g).double()
+        expected_counts = torch.zeros(n, slots, dtype=torch.float64)
+        for j in range(n):
+            own = _own_slots(shape_tree, j)
+            messages = relay_messages(x[j:j + 1], received[j:j + 1, :own].clone(), torch.empty(1, own, 41))
+            for q in range(own):
+                i = neighbours[j][q]
+                expected[i, neighbours[i].index(j)] = messages[0, q]
+                expected_counts[i, neighbours[i].index(j)] = outgoing[j, q]
+        delivery = _StackedDelivery(shape_tree.neighbours)
+        for _ in range(2):  # the second time from the prepared plan
+            by_delivery = torch.full((n, slots, 41), 7.0)
+            delivery.deliver(x, received, by_delivery)
+            assert torch.equal(by_delivery, expected)
+        assert torch.equal(delivery.deliver_counts(outgoing), expected_counts)
 
 
-@pytest.mark.parametrize("tree", ["binary_tree", "star"])
+@pytest.mark.parametrize("tree", ["chain", "binary_tree", "star"])
 @pytest.mark.parametrize("mode", ["count", "world_size"])
-def test_the_engines_average_skips_only_the_zero_slots(tree, mode):
+def test_the_engines_average_is_each_process_average(tree, mode):
     """On the engine the average adds slot s only on the rows that have it (the others
-    hold zeros): the same values as adding every slot."""
+    hold zeros, as in a run): each row as its process's relay_average over its own slots."""
     n = 13
     topology = _star(n) if tree == "star" else resolve_topology(tree, n, require_tree=True)
     shape_tree = _Tree(topology, list(range(n)), list(range(n)))
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(n, 29, generator=g)
-    received = torch.randn(n, shape_tree.slots, 29, generator=g) * shape_tree.present.unsqueeze(2)
+    x = spread_values(n * 29, g).view(n, 29)
+    received = spread_values(n * shape_tree.slots * 29, g).view(n, shape_tree.slots, 29) \
+        * shape_tree.present.unsqueeze(2)
     n_bar = 1.0 + torch.randint(0, n, (n,), generator=g).double()
-    x0 = torch.randn(n, 29, generator=g) if mode == "world_size" else None
-    every, skipping = x.clone(), x.clone()
-    relay_average(every, received, n_bar, mode, n, x0)
-    slot_rows = _StackedDelivery(shape_tree.neighbours).slot_rows("cpu")
-    assert slot_rows[0] is None and all(rows is not None for rows in slot_rows[1:])
-    relay_average(skipping, received, n_bar, mode, n, x0, slot_rows)
-    assert torch.equal(skipping, every)
+    x0 = spread_values(n * 29, g).view(n, 29) if mode == "world_size" else None
+    expected = x.clone()
+    for i in range(n):
+        relay_average(expected[i:i + 1], received[i:i + 1, :_own_slots(shape_tree, i)], n_bar[i:i + 1], mode, n,
+                      None if x0 is None else x0[i:i + 1])
+    got = x.clone()
+    _StackedDelivery(shape_tree.neighbours).average(got, received, n_bar, mode, n, x0)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("topology,kwargs,chunk_bytes", [
+    ("chain", {}, None), ("chain", {}, 1), ("chain", {"mode": "world_size"}, 1), ("binary_tree", {}, None),
+    ("double_binary_tree", {}, None), ("double_binary_tree", {"drop_rate": 0.3, "seed": 5}, None),
+    ("chain", {"drop_rate": 0.2, "seed": 1}, None)])
+def test_the_engines_step_is_the_exchange_path_on_the_same_rows(topology, kwargs, chunk_bytes, monkeypatch):
+    """The engine's relay step (``_StackedDelivery``, ``_ChainStrips``, the counts
+    gathered, then not recomputed once fixed) against the exchange path (relay_messages,
+    comm's stacked neighbour exchange, relay_average over the padded slots) on the same
+    stacked rows: the same parameters bit for bit, the same bytes counted, the same
+    state, past the counts' fixed point (and a chain's with chunks of one row)."""
+    from bagua_algos.algorithms import relay
+    from bagua_algos.engine import Engine
+
+    if chunk_bytes is not None:
+        monkeypatch.setattr(relay, "CHAIN_CHUNK_BYTES", chunk_bytes)
+
+    n, steps = 9, 23  # a chain of 9: its counts fixed by step 10, its strips back in the middle at 10 and 19
+    runs = []
+    for accelerated in (True, False):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
+        engine = Engine(net, n, RelayAlgorithm(topology=topology, **kwargs),
+                        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+        impl = engine.runtime.bagua_algorithm
+        assert [type(d).__name__ for d in impl._delivery] == (
+            ["_ChainStrips"] if topology == "chain" else ["_StackedDelivery"] * len(impl._delivery))
+        if not accelerated:  # the exchange path, as in a job, on the stacked rows
+            impl._delivery = None
+            for bucket in engine.runtime.bagua_buckets:
+                for k, received in bucket.state["relay_received"].items():
+                    bucket.state["relay_received"][k] = torch.zeros(received.shape)
+                    impl._spare[(bucket.name, k)] = torch.zeros(received.shape)
+                    impl._messages[(bucket.name, k)] = torch.empty(received.shape)
+        g = torch.Generator().manual_seed(3)
+        sent = []
+        for _ in range(steps):
+            x, y = torch.randn(n, 4, 6, generator=g), torch.randint(0, 3, (n, 4), generator=g)
+            comm.reset_bytes_sent()
+            engine.step(x, y, torch.nn.functional.cross_entropy)
+            sent.append(comm.reset_bytes_sent())
+        buckets = engine.runtime.bagua_buckets
+        assert impl._counts_fixed == (accelerated and not kwargs.get("drop_rate"))
+        runs.append((torch.cat([b.flat_view().clone() for b in buckets], 1), sent, impl.state_dict(),
+                     [{k: v.clone() for k, v in b.state["relay_received"].items()} for b in buckets]))
+    (params, sent, state, received), (params_x, sent_x, state_x, received_x) = runs
+    assert torch.equal(params, params_x)
+    assert sent == sent_x and sent[0] > 0
+    generators, generators_x = state.pop("generator"), state_x.pop("generator")
+    assert state == state_x and all(map(torch.equal, generators, generators_x))
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(received, received_x) for k in a)

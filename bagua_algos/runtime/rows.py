@@ -125,8 +125,8 @@ def _gather_copy(out, src, rows, sources):
     out.index_copy_(0, rows, torch.index_select(src, 0, sources))
 
 
-def _gather_sum(out, a, b, rows, sources):
-    out.index_copy_(0, rows, torch.add(torch.index_select(a, 0, sources), torch.index_select(b, 0, sources)))
+def _gather_sum(out, a, b, rows, a_sources, b_sources):
+    out.index_copy_(0, rows, torch.add(torch.index_select(a, 0, a_sources), torch.index_select(b, 0, b_sources)))
 
 
 class RowGather:
@@ -135,21 +135,34 @@ class RowGather:
     ``weight`` (optional, ``[rows, 1]``) multiplies each gathered row: ``out[r] +=
     w[r]·src[index[r]]``. The ``*_calls`` methods return the passes as ``(function,
     args)`` pairs on the given tensors, for :func:`run_calls`; ``add_`` and ``copy_``
-    run them at once."""
+    run them at once.
+
+    An index of pairs ``(a_row, b_row)`` serves :meth:`sum_calls` alone: ``out[r] =
+    a[a_row] + b[b_row]`` (two sources read at rows of their own)."""
 
     def __init__(self, index: Sequence, device):
         self.rows = len(index)
+        self.pairs = any(isinstance(i, tuple) for i in index)
+        if self.pairs and not all(i is None or (isinstance(i, tuple) and len(i) == 2) for i in index):
+            raise ValueError("an index of pairs must hold (a_row, b_row) pairs or None only")
         runs = arithmetic_runs(index)
         self.runs = runs if len(runs) <= MAX_RUNS else None
         if self.runs is None:
-            # a row with no index gathers row 0, then is zeroed: the term is an exact zero
-            self.index = torch.tensor([0 if i is None else i for i in index], dtype=torch.long, device=device)
-            absent = torch.tensor([i is None for i in index], device=device).unsqueeze(1)
-            self.absent = absent if bool(absent.any()) else None
             present = [r for r, i in enumerate(index) if i is not None]
             self.present_rows = torch.tensor(present, dtype=torch.long, device=device)
-            self.present_sources = torch.tensor([index[r] for r in present], dtype=torch.long, device=device)
+            sources = [index[r] if self.pairs else (index[r], index[r]) for r in present]
+            self.present_sources = tuple(torch.tensor([pair[k] for pair in sources], dtype=torch.long, device=device)
+                                         for k in range(2))
+            if not self.pairs:
+                # a row with no index gathers row 0, then is zeroed: the term is an exact zero
+                self.index = torch.tensor([0 if i is None else i for i in index], dtype=torch.long, device=device)
+                absent = torch.tensor([i is None for i in index], device=device).unsqueeze(1)
+                self.absent = absent if bool(absent.any()) else None
         self._buffer = None
+
+    def _single(self, what: str) -> None:
+        if self.pairs:
+            raise ValueError(f"{what} takes an index of rows, not of pairs (pairs serve sum_calls)")
 
     def _buffer_for(self, src: torch.Tensor) -> torch.Tensor:
         """A contiguous ``[rows, width]`` scratch for the fallback's gather (one storage,
@@ -163,6 +176,7 @@ class RowGather:
 
     def add_calls(self, out: torch.Tensor, src: torch.Tensor, weight: Optional[torch.Tensor] = None) -> list:
         """``out[r] += src[index[r]]`` (times ``weight[r]`` if given)."""
+        self._single("add_calls")
         if self.runs is None:
             return [(_gather_add, (out, src, self.index, self._buffer_for(src), self.absent, weight))]
         calls = []
@@ -176,17 +190,23 @@ class RowGather:
 
     def copy_calls(self, out: torch.Tensor, src: torch.Tensor) -> list:
         """``out[r] = src[index[r]]``; rows with no index are left as they are."""
+        self._single("copy_calls")
         if self.runs is None:
-            return [(_gather_copy, (out, src, self.present_rows, self.present_sources))]
+            return [(_gather_copy, (out, src, self.present_rows, self.present_sources[0]))]
         return [(torch.Tensor.copy_, (_view(out, r0, s, m), _view(src, i0, t, m))) for r0, s, i0, t, m in self.runs]
 
     def sum_calls(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> list:
-        """``out[r] = a[index[r]] + b[index[r]]`` (one add a row, as ``torch.add``); rows
-        with no index are left as they are."""
+        """``out[r] = a[index[r]] + b[index[r]]`` (one add a row, as ``torch.add``), or for
+        an index of pairs ``out[r] = a[index[r][0]] + b[index[r][1]]``; rows with no index
+        are left as they are."""
         if self.runs is None:
-            return [(_gather_sum, (out, a, b, self.present_rows, self.present_sources))]
-        return [(functools.partial(torch.add, out=_view(out, r0, s, m)), (_view(a, i0, t, m), _view(b, i0, t, m)))
-                for r0, s, i0, t, m in self.runs]
+            return [(_gather_sum, (out, a, b, self.present_rows, *self.present_sources))]
+        calls = []
+        for r0, s, i0, t, m in self.runs:
+            (ia, ib), (ta, tb) = (i0, t) if self.pairs else ((i0, i0), (t, t))
+            calls.append((functools.partial(torch.add, out=_view(out, r0, s, m)),
+                          (_view(a, ia, ta, m), _view(b, ib, tb, m))))
+        return calls
 
     def add_(self, out: torch.Tensor, src: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         run_calls(self.add_calls(out, src, weight))

@@ -412,11 +412,33 @@ def _exchange_plan(world: StackedGroup, send_peers: list, recv_peers: list, devi
     return plan
 
 
-def _count_sends(world: StackedGroup, send_peers: list, tensors: list) -> None:
+def _sent_bytes(world: StackedGroup, send_peers: list, tensors: list) -> int:
     """What one worker hands to the network in a neighbour exchange: each send's bytes
     per worker times the share of workers that post it."""
-    _count(sum(_per_worker_bytes(world, t) * sum(1 for p in peers if p >= 0) // world.n
-               for peers, t in zip(send_peers, tensors)))
+    return sum(_per_worker_bytes(world, t) * sum(1 for p in peers if p >= 0) // world.n
+               for peers, t in zip(send_peers, tensors))
+
+
+def _count_sends(world: StackedGroup, send_peers: list, tensors: list) -> None:
+    _count(_sent_bytes(world, send_peers, tensors))
+
+
+def neighbor_exchange_bytes(group, sends) -> int:
+    """The bytes ``start_neighbor_exchange(sends, ...)`` would count on the engine's
+    workers (``group``: the stacked group, or None for the active one), without
+    exchanging or counting: for a caller that computes an exchange's result from the rows
+    themselves and counts the same bytes every step (:func:`count_bytes`)."""
+    world = _world_of(None, group)
+    if world is None:
+        raise ValueError(f"group must be the one-process engine's stacked group, got {group!r}")
+    send_items = list(sends)
+    return _sent_bytes(world, [_peer_rows(world, f"sends[{k}] peer", p) for k, (p, _) in enumerate(send_items)],
+                       [_rows(world, f"sends[{k}] tensor", t) for k, (_, t) in enumerate(send_items)])
+
+
+def count_bytes(nbytes: int) -> None:
+    """Count ``nbytes`` as sent (a :func:`neighbor_exchange_bytes` figure, computed once)."""
+    _count(nbytes)
 
 
 def count_neighbor_exchange(group, sends) -> None:
@@ -424,12 +446,7 @@ def count_neighbor_exchange(group, sends) -> None:
     workers (``group``: the stacked group, or None for the active one), without
     exchanging: for a caller that computes an exchange's result from the rows
     themselves (the gossip's stacked mix, :class:`~bagua_algos.runtime.gossip.StackedMix`)."""
-    world = _world_of(None, group)
-    if world is None:
-        raise ValueError(f"group must be the one-process engine's stacked group, got {group!r}")
-    send_items = list(sends)
-    _count_sends(world, [_peer_rows(world, f"sends[{k}] peer", p) for k, (p, _) in enumerate(send_items)],
-                 [_rows(world, f"sends[{k}] tensor", t) for k, (_, t) in enumerate(send_items)])
+    _count(neighbor_exchange_bytes(group, sends))
 
 
 def start_neighbor_exchange(world, sends, recvs):

@@ -153,6 +153,30 @@ def test_the_accelerator_equals_the_exchange_bit_for_bit(name, n, dtype):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("topology", [ShiftOneTopology(6), topologies.OnePeerExponentialTopology(8),
+                                      get_topology("ring", 5), get_topology("exponential", 8), None],
+                         ids=["shift_one", "one_peer_exponential", "ring", "exponential", "all"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mix_into_is_the_copy_then_mix_bit_for_bit(topology, dtype):
+    """mix_into(x, out) (the decentralized op's path in a job: x sent from the bucket,
+    the result built in peer_weight) leaves x as it was and out as out.copy_(x) then
+    mix_(out) would, bit for bit, through the exchange (not the accelerator)."""
+    n = 5 if topology is None else topology.world_size
+    world = StackedGroup(n)
+    into, inplace = (Gossip(topology, list(range(n)), list(range(n)), world) for _ in range(2))
+    into.accelerator = inplace.accelerator = None
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(n, 33, generator=g) * torch.logspace(-6, 6, 33)).to(dtype)
+    with stacked_world(world):
+        for step in range(4):
+            before, out, expected = x.clone(), torch.full_like(x, float("nan")), x.clone()
+            into.mix_into(x, out, step)
+            inplace.mix_(expected, step)
+            assert torch.equal(x, before)
+            assert torch.equal(out, expected)
+            x = out
+
+
 def test_one_member_and_bad_shapes():
     world = StackedGroup(3)
     with stacked_world(world):

@@ -160,6 +160,37 @@ class Gossip:
             rows.addcmul_(received[:, s], weight[:, s:s + 1])
 
 
+    def mix_into(self, x: torch.Tensor, out: torch.Tensor, step: int = 0) -> torch.Tensor:
+        """out ← W_t x, x left as it is (read while the exchange sends it): the terms
+        and order of :meth:`mix_`, so ``out`` holds, bit for bit, what ``out.copy_(x)``
+        and ``mix_(out, step)`` would leave there, without the copy. A time-varying
+        topology receives the peer's x into ``out`` and adds x there (received + x, the
+        same sum as x + received); a fixed one starts ``out`` as x · w_ii. ``out`` must
+        not overlap x. ("all" and one member: the copy, then :meth:`mix_`.)"""
+        rows, into_rows = self._as_rows(x), self._as_rows(out)
+        if into_rows.shape != rows.shape:
+            raise ValueError(f"out must be shaped as x, {tuple(x.shape)}; got {tuple(out.shape)}")
+        if self.members == 1 or self.topology is None or self.accelerator is not None:
+            out.copy_(x)
+            self.mix_(out, step)
+            return out
+        if self.topology.time_varying:
+            t = self.topology
+            out_peer = self._peer([t.out_peer(i, step) for i in self.rows])
+            into = self._peer([t.in_peer(i, step) for i in self.rows])
+            comm.neighbor_exchange([(out_peer, rows)], [(into, into_rows)], group=self.group)
+            pairwise_average_(into_rows, rows)
+            return out
+        received = self._buffer(rows)
+        comm.neighbor_exchange([(peer, rows) for peer in self._peers],
+                               [(peer, received[:, s]) for s, peer in enumerate(self._peers)], group=self.group)
+        self_weight, weight = self.table.weights_as(rows)
+        torch.mul(rows, self_weight, out=into_rows)
+        for s in range(self.slots):
+            into_rows.addcmul_(received[:, s], weight[:, s:s + 1])
+        return out
+
+
 class StackedMix:
     """The accelerator behind :class:`Gossip` on the engine: x ← W x for all n stacked
     rows of a fixed topology, the neighbours read from x itself (no exchange).

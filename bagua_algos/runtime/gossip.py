@@ -40,7 +40,11 @@ from .comm.stacked import count_neighbor_exchange
 from .rows import RowGather, engine_cpu_passes, run_calls
 from .topology import NeighbourTable
 
-__all__ = ["Gossip", "StackedMix", "pairwise_average_"]
+__all__ = ["Gossip", "StackedMix", "pairwise_average_", "PIECE_BYTES"]
+
+# In a job, a time-varying topology's exchange goes in pieces of this many bytes, each
+# averaged while the later ones travel (Gossip._pairwise).
+PIECE_BYTES = 4 << 20
 
 
 def pairwise_average_(x: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
@@ -130,6 +134,32 @@ class Gossip:
             self._received = {key: torch.zeros(x.shape[0], self.slots, x.shape[1], dtype=x.dtype, device=x.device)}
         return self._received[key]
 
+    def _pairwise(self, rows: torch.Tensor, received: torch.Tensor, step: int, average) -> None:
+        """A time-varying topology's exchange at ``step`` (each row to its out-peer, its
+        in-peer's into ``received``), then ``average(columns)`` over a slice of columns.
+
+        In a job (one row, not the stacked engine) a row of more than
+        :data:`PIECE_BYTES` travels in pieces of that size, all posted at once, each
+        averaged as soon as its send and its receive are done while the later ones are
+        still on the wire, so that only the last piece's averaging follows the transfer.
+        An elementwise pass gives the same bits piece by piece; the piece's send is
+        waited for as well, so ``rows`` may be what is averaged in place."""
+        t = self.topology
+        out = self._peer([t.out_peer(i, step) for i in self.rows])
+        into = self._peer([t.in_peer(i, step) for i in self.rows])
+        length = rows.shape[1]
+        piece = max(1, PIECE_BYTES // rows.element_size())
+        if self.stacked or rows.shape[0] != 1 or length <= piece:
+            comm.neighbor_exchange([(out, rows)], [(into, received)], group=self.group)
+            average(slice(None))
+            return
+        pieces = [slice(a, min(a + piece, length)) for a in range(0, length, piece)]
+        handles = [comm.start_neighbor_exchange([(out, rows[:, s])], [(into, received[:, s])], group=self.group)
+                   for s in pieces]
+        for s, handle in zip(pieces, handles):
+            handle.wait()
+            average(s)
+
     def mix_(self, x: torch.Tensor, step: int = 0) -> None:
         """x ← W_t x in place (``step``: the exchange's index t, for a time-varying
         topology; counted from 0)."""
@@ -140,12 +170,8 @@ class Gossip:
             comm.allreduce_inplace(x, comm.ReduceOp.AVG, group=self.group)
             return
         if self.topology.time_varying:
-            t = self.topology
             received = self._buffer(rows)[:, 0]
-            out = self._peer([t.out_peer(i, step) for i in self.rows])
-            into = self._peer([t.in_peer(i, step) for i in self.rows])
-            comm.neighbor_exchange([(out, rows)], [(into, received)], group=self.group)
-            pairwise_average_(rows, received)
+            self._pairwise(rows, received, step, lambda s: pairwise_average_(rows[:, s], received[:, s]))
             return
         if self.accelerator is not None:
             count_neighbor_exchange(self.group, [(peer, rows) for peer in self._peers])
@@ -175,11 +201,7 @@ class Gossip:
             self.mix_(out, step)
             return out
         if self.topology.time_varying:
-            t = self.topology
-            out_peer = self._peer([t.out_peer(i, step) for i in self.rows])
-            into = self._peer([t.in_peer(i, step) for i in self.rows])
-            comm.neighbor_exchange([(out_peer, rows)], [(into, into_rows)], group=self.group)
-            pairwise_average_(into_rows, rows)
+            self._pairwise(rows, into_rows, step, lambda s: pairwise_average_(into_rows[:, s], rows[:, s]))
             return out
         received = self._buffer(rows)
         comm.neighbor_exchange([(peer, rows) for peer in self._peers],

@@ -15,7 +15,8 @@ workers on the engine), or ``[L]`` for one worker. Three kinds of W_t:
 2. a time-varying topology (:class:`~topologies.OnePeerExponentialTopology`, Bagua's
    shift_one as :class:`~topologies.ShiftOneTopology`): at exchange t worker i sends x_i
    to ``out_peer(i, t)``, receives y from ``in_peer(i, t)`` and x_i ← (x_i + y) / 2, the
-   pairwise average (:func:`pairwise_average_`);
+   pairwise average (:func:`pairwise_average_`); in a job a large x travels in pieces
+   (:data:`PIECE_BYTES`), each averaged while the later ones are on the wire;
 3. none (Bagua's ``"all"``): x ← the mean over the members, an allreduce average.
 
 The accelerator. When the group is the engine's stacked world and the topology is fixed,
@@ -184,7 +185,6 @@ class Gossip:
         rows.mul_(self_weight)
         for s in range(self.slots):
             rows.addcmul_(received[:, s], weight[:, s:s + 1])
-
 
     def mix_into(self, x: torch.Tensor, out: torch.Tensor, step: int = 0) -> torch.Tensor:
         """out ← W_t x, x left as it is (read while the exchange sends it): the terms

@@ -15,7 +15,8 @@ workers on the engine), or ``[L]`` for one worker. Three kinds of W_t:
 2. a time-varying topology (:class:`~topologies.OnePeerExponentialTopology`, Bagua's
    shift_one as :class:`~topologies.ShiftOneTopology`): at exchange t worker i sends x_i
    to ``out_peer(i, t)``, receives y from ``in_peer(i, t)`` and x_i ← (x_i + y) / 2, the
-   pairwise average (:func:`pairwise_average_`);
+   pairwise average (:func:`pairwise_average_`); in a job x may travel in pieces
+   (:data:`PIECE_BYTES`, off by default), each averaged while the later ones travel;
 3. none (Bagua's ``"all"``): x ← the mean over the members, an allreduce average.
 
 The accelerator. When the group is the engine's stacked world and the topology is fixed,
@@ -40,7 +41,14 @@ from .comm.stacked import count_neighbor_exchange
 from .rows import RowGather, engine_cpu_passes, run_calls
 from .topology import NeighbourTable
 
-__all__ = ["Gossip", "StackedMix", "pairwise_average_"]
+__all__ = ["Gossip", "StackedMix", "pairwise_average_", "PIECE_BYTES"]
+
+# In a job, a time-varying topology's exchange may go in pieces of this many bytes, each
+# averaged while the later ones travel (Gossip._pairwise); 0: in one piece, the default.
+# Measured (docs/benchmarks.md, "Against Decent-DP"): 4 MiB pieces cost 5 % more CPU and
+# step time at 8 workers over loopback, where the exchange is CPU, and gained at most
+# 2 % over a 1 Gbit/s link.
+PIECE_BYTES = 0
 
 
 def pairwise_average_(x: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
@@ -130,6 +138,32 @@ class Gossip:
             self._received = {key: torch.zeros(x.shape[0], self.slots, x.shape[1], dtype=x.dtype, device=x.device)}
         return self._received[key]
 
+    def _pairwise(self, rows: torch.Tensor, received: torch.Tensor, step: int, average) -> None:
+        """A time-varying topology's exchange at ``step`` (each row to its out-peer, its
+        in-peer's into ``received``), then ``average(columns)`` over a slice of columns.
+
+        In a job (one row, not the stacked engine), with :data:`PIECE_BYTES` set (off by
+        default), a row of more than that travels in pieces of that size, all posted at once, each
+        averaged as soon as its send and its receive are done while the later ones are
+        still on the wire, so that only the last piece's averaging follows the transfer.
+        An elementwise pass gives the same bits piece by piece; the piece's send is
+        waited for as well, so ``rows`` may be what is averaged in place."""
+        t = self.topology
+        out = self._peer([t.out_peer(i, step) for i in self.rows])
+        into = self._peer([t.in_peer(i, step) for i in self.rows])
+        length = rows.shape[1]
+        piece = PIECE_BYTES // rows.element_size()
+        if self.stacked or rows.shape[0] != 1 or piece <= 0 or length <= piece:
+            comm.neighbor_exchange([(out, rows)], [(into, received)], group=self.group)
+            average(slice(None))
+            return
+        pieces = [slice(a, min(a + piece, length)) for a in range(0, length, piece)]
+        handles = [comm.start_neighbor_exchange([(out, rows[:, s])], [(into, received[:, s])], group=self.group)
+                   for s in pieces]
+        for s, handle in zip(pieces, handles):
+            handle.wait()
+            average(s)
+
     def mix_(self, x: torch.Tensor, step: int = 0) -> None:
         """x ← W_t x in place (``step``: the exchange's index t, for a time-varying
         topology; counted from 0)."""
@@ -140,12 +174,8 @@ class Gossip:
             comm.allreduce_inplace(x, comm.ReduceOp.AVG, group=self.group)
             return
         if self.topology.time_varying:
-            t = self.topology
             received = self._buffer(rows)[:, 0]
-            out = self._peer([t.out_peer(i, step) for i in self.rows])
-            into = self._peer([t.in_peer(i, step) for i in self.rows])
-            comm.neighbor_exchange([(out, rows)], [(into, received)], group=self.group)
-            pairwise_average_(rows, received)
+            self._pairwise(rows, received, step, lambda s: pairwise_average_(rows[:, s], received[:, s]))
             return
         if self.accelerator is not None:
             count_neighbor_exchange(self.group, [(peer, rows) for peer in self._peers])
@@ -158,6 +188,32 @@ class Gossip:
         rows.mul_(self_weight)
         for s in range(self.slots):
             rows.addcmul_(received[:, s], weight[:, s:s + 1])
+
+    def mix_into(self, x: torch.Tensor, out: torch.Tensor, step: int = 0) -> torch.Tensor:
+        """out ← W_t x, x left as it is (read while the exchange sends it): the terms
+        and order of :meth:`mix_`, so ``out`` holds, bit for bit, what ``out.copy_(x)``
+        and ``mix_(out, step)`` would leave there, without the copy. A time-varying
+        topology receives the peer's x into ``out`` and adds x there (received + x, the
+        same sum as x + received); a fixed one starts ``out`` as x · w_ii. ``out`` must
+        not overlap x. ("all" and one member: the copy, then :meth:`mix_`.)"""
+        rows, into_rows = self._as_rows(x), self._as_rows(out)
+        if into_rows.shape != rows.shape:
+            raise ValueError(f"out must be shaped as x, {tuple(x.shape)}; got {tuple(out.shape)}")
+        if self.members == 1 or self.topology is None or self.accelerator is not None:
+            out.copy_(x)
+            self.mix_(out, step)
+            return out
+        if self.topology.time_varying:
+            self._pairwise(rows, into_rows, step, lambda s: pairwise_average_(into_rows[:, s], rows[:, s]))
+            return out
+        received = self._buffer(rows)
+        comm.neighbor_exchange([(peer, rows) for peer in self._peers],
+                               [(peer, received[:, s]) for s, peer in enumerate(self._peers)], group=self.group)
+        self_weight, weight = self.table.weights_as(rows)
+        torch.mul(rows, self_weight, out=into_rows)
+        for s in range(self.slots):
+            into_rows.addcmul_(received[:, s], weight[:, s:s + 1])
+        return out
 
 
 class StackedMix:

@@ -177,44 +177,36 @@ def test_mix_into_is_the_copy_then_mix_bit_for_bit(topology, dtype):
             x = out
 
 
-def _pieces_worker(rank, n):
-    """Each time-varying topology's mix_ and mix_into in a gloo job, in one piece and in
-    pieces of 40 bytes (10 of a row's 33 floats), three exchanges each."""
-    from bagua_algos.runtime import gossip as gossip_module
-
+def _job_worker(rank, n):
+    """Each time-varying topology's mix_ and mix_into in a gloo job, three exchanges each."""
     out = {}
     for name, topology in (("shift_one", ShiftOneTopology(n)), ("exp", topologies.OnePeerExponentialTopology(n))):
-        for piece in (0, 40):
-            gossip_module.PIECE_BYTES = piece
-            gossip = Gossip(topology, [rank], list(range(n)), None)
-            x = (torch.randn(33, generator=torch.Generator().manual_seed(rank)) * torch.logspace(-6, 6, 33))
-            start, into, inplace = x.clone(), [], x.clone()
-            for step in range(3):
-                y = torch.full_like(x, float("nan"))
-                gossip.mix_into(x, y, step)
-                gossip.mix_(inplace, step)
-                into.append(y)
-                x = y
-            out[name, piece] = (start, into, inplace)
+        gossip = Gossip(topology, [rank], list(range(n)), None)
+        x = (torch.randn(33, generator=torch.Generator().manual_seed(rank)) * torch.logspace(-6, 6, 33))
+        start, into, inplace = x.clone(), [], x.clone()
+        for step in range(3):
+            y = torch.full_like(x, float("nan"))
+            gossip.mix_into(x, y, step)
+            gossip.mix_(inplace, step)
+            into.append(y)
+            x = y
+        out[name] = (start, into, inplace)
     return out
 
 
-def test_a_job_s_exchange_in_pieces_gives_the_same_bits():
-    """In a job a time-varying exchange may travel in pieces (Gossip.PIECE_BYTES, off by
-    default): mix_ and mix_into give, in pieces and in one, the same bits, each
-    (x_i + x_peer) / 2."""
+def test_a_job_s_time_varying_exchange_in_place_and_into_gives_the_formula():
+    """In a job, mix_ and mix_into of a time-varying topology give, bit for bit,
+    (x_i + x_peer) / 2 at every exchange."""
     from bagua_algos.experiments.gloo_workers import run_workers
 
     n = 4
-    results = run_workers(_pieces_worker, n, timeout=120)
+    results = run_workers(_job_worker, n, timeout=120)
     for name, topology in (("shift_one", ShiftOneTopology(n)), ("exp", topologies.OnePeerExponentialTopology(n))):
-        x = torch.stack([results[r][name, 0][0] for r in range(n)])
+        x = torch.stack([results[r][name][0] for r in range(n)])
         for step in range(3):
             x = torch.stack([(x[i] + x[topology.in_peer(i, step)]) * 0.5 for i in range(n)])
-            for piece in (0, 40):
-                assert torch.equal(torch.stack([results[r][name, piece][1][step] for r in range(n)]), x)
-        for piece in (0, 40):
-            assert torch.equal(torch.stack([results[r][name, piece][2] for r in range(n)]), x)
+            assert torch.equal(torch.stack([results[r][name][1][step] for r in range(n)]), x)
+        assert torch.equal(torch.stack([results[r][name][2] for r in range(n)]), x)
 
 
 def test_one_member_and_bad_shapes():

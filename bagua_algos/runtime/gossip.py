@@ -15,8 +15,7 @@ workers on the engine), or ``[L]`` for one worker. Three kinds of W_t:
 2. a time-varying topology (:class:`~topologies.OnePeerExponentialTopology`, Bagua's
    shift_one as :class:`~topologies.ShiftOneTopology`): at exchange t worker i sends x_i
    to ``out_peer(i, t)``, receives y from ``in_peer(i, t)`` and x_i ← (x_i + y) / 2, the
-   pairwise average (:func:`pairwise_average_`); in a job x may travel in pieces
-   (:data:`PIECE_BYTES`, off by default), each averaged while the later ones travel;
+   pairwise average (:func:`pairwise_average_`);
 3. none (Bagua's ``"all"``): x ← the mean over the members, an allreduce average.
 
 The accelerator. When the group is the engine's stacked world and the topology is fixed,
@@ -41,14 +40,7 @@ from .comm.stacked import count_neighbor_exchange
 from .rows import RowGather, engine_cpu_passes, run_calls
 from .topology import NeighbourTable
 
-__all__ = ["Gossip", "StackedMix", "pairwise_average_", "PIECE_BYTES"]
-
-# In a job, a time-varying topology's exchange may go in pieces of this many bytes, each
-# averaged while the later ones travel (Gossip._pairwise); 0: in one piece, the default.
-# Measured (docs/benchmarks.md, "Against Decent-DP"): 4 MiB pieces cost 5 % more CPU and
-# step time at 8 workers over loopback, where the exchange is CPU, and gained at most
-# 2 % over a 1 Gbit/s link.
-PIECE_BYTES = 0
+__all__ = ["Gossip", "StackedMix", "pairwise_average_"]
 
 
 def pairwise_average_(x: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
@@ -140,29 +132,14 @@ class Gossip:
 
     def _pairwise(self, rows: torch.Tensor, received: torch.Tensor, step: int, average) -> None:
         """A time-varying topology's exchange at ``step`` (each row to its out-peer, its
-        in-peer's into ``received``), then ``average(columns)`` over a slice of columns.
-
-        In a job (one row, not the stacked engine), with :data:`PIECE_BYTES` set (off by
-        default), a row of more than that travels in pieces of that size, all posted at once, each
-        averaged as soon as its send and its receive are done while the later ones are
-        still on the wire, so that only the last piece's averaging follows the transfer.
-        An elementwise pass gives the same bits piece by piece; the piece's send is
-        waited for as well, so ``rows`` may be what is averaged in place."""
+        in-peer's into ``received``), then ``average()``. (Sending in pieces, each
+        averaged while the later ones travel, was measured slower where the exchange is
+        CPU: docs/benchmarks.md, "Against Decent-DP".)"""
         t = self.topology
         out = self._peer([t.out_peer(i, step) for i in self.rows])
         into = self._peer([t.in_peer(i, step) for i in self.rows])
-        length = rows.shape[1]
-        piece = PIECE_BYTES // rows.element_size()
-        if self.stacked or rows.shape[0] != 1 or piece <= 0 or length <= piece:
-            comm.neighbor_exchange([(out, rows)], [(into, received)], group=self.group)
-            average(slice(None))
-            return
-        pieces = [slice(a, min(a + piece, length)) for a in range(0, length, piece)]
-        handles = [comm.start_neighbor_exchange([(out, rows[:, s])], [(into, received[:, s])], group=self.group)
-                   for s in pieces]
-        for s, handle in zip(pieces, handles):
-            handle.wait()
-            average(s)
+        comm.neighbor_exchange([(out, rows)], [(into, received)], group=self.group)
+        average()
 
     def mix_(self, x: torch.Tensor, step: int = 0) -> None:
         """x ← W_t x in place (``step``: the exchange's index t, for a time-varying
@@ -175,7 +152,7 @@ class Gossip:
             return
         if self.topology.time_varying:
             received = self._buffer(rows)[:, 0]
-            self._pairwise(rows, received, step, lambda s: pairwise_average_(rows[:, s], received[:, s]))
+            self._pairwise(rows, received, step, lambda: pairwise_average_(rows, received))
             return
         if self.accelerator is not None:
             count_neighbor_exchange(self.group, [(peer, rows) for peer in self._peers])
@@ -204,7 +181,7 @@ class Gossip:
             self.mix_(out, step)
             return out
         if self.topology.time_varying:
-            self._pairwise(rows, into_rows, step, lambda s: pairwise_average_(into_rows[:, s], rows[:, s]))
+            self._pairwise(rows, into_rows, step, lambda: pairwise_average_(into_rows, rows))
             return out
         received = self._buffer(rows)
         comm.neighbor_exchange([(peer, rows) for peer in self._peers],

@@ -8,8 +8,12 @@ low-precision ring, against its step written out: it still quantizes)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from bagua_algos.algorithms.table import ALGORITHM_TABLE
+from bagua_algos.engine import Engine
+from bagua_algos.engine.runtime import EngineRefusal
 from bagua_algos.experiments.gloo_workers import run_workers
 
 STEPS = 5
@@ -138,3 +142,43 @@ def test_every_algorithm_at_world_size_one_trains_as_it_defines():
     assert out["qadam_100"]["equal"] and out["qadam_100"]["local_only"]
     assert not out["qadam_3"]["equal"]  # compressed momentum after 3 steps: not local, not Adam
     assert out["low_precision"]["equal"] and out["low_precision"]["moved"]
+
+
+# --- the one-process engine with one worker: every row of the table runs (a single row
+# is a layout too, whatever stride torch gives its size-1 dimension), trains as a job at
+# world size 1 does where that is exact, and what needs more workers is refused with the
+# job's own error.
+
+
+def _sgd_momentum(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)  # (quasi-global momentum needs momentum)
+
+
+def _one_worker_engine(config):
+    """The engine of one worker for ``config`` (a row built on its own optimizer, QAdam,
+    takes it built on the module's parameters, and the engine none: it stacks its settings)."""
+    module = _model()
+    if config.own_optimizer is not None:
+        return Engine(module, 1, config.build(config.optimizer_for(module.parameters(), None)), None)
+    return Engine(module, 1, config.build(), _sgd_momentum)
+
+
+@pytest.mark.parametrize("config", ALGORITHM_TABLE, ids=lambda c: c.label)
+def test_one_worker_engine(config):
+    if not config.runs_with(1):
+        with pytest.raises(ValueError, match="got 1"):
+            _one_worker_engine(config)
+        return
+    if config.background_rounds:  # async averages on a thread of its own: the engine refuses it by name
+        with pytest.raises(EngineRefusal, match="does not run"):
+            _one_worker_engine(config)
+        return
+    engine = _one_worker_engine(config)
+    losses = [engine.step(x[None], y[None], torch.nn.functional.cross_entropy) for x, y in _batches()]
+    assert all(bool(torch.isfinite(loss).all()) for loss in losses), config.label
+    if config.exact_alone:
+        reference = _model()
+        want = _train(reference, _sgd_momentum(reference.parameters()))
+        state = engine.model.worker_state(0)
+        for (name, _), expected in zip(_model().named_parameters(), want):
+            torch.testing.assert_close(state[name], expected, rtol=1e-6, atol=1e-7)

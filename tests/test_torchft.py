@@ -158,6 +158,55 @@ def test_a_lost_peer_is_told_from_a_slow_one():
                                       "for recv operation to complete"))
 
 
+def _quorum_timeout_worker(rank, world):
+    """start_step with a manager whose first quorum times out (as torchft's Rust client
+    raises it), then succeeds: the first step is errored, not raised, and the next asks again."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from bagua_algos.runtime.comm import fault_tolerance as ft
+
+    class Manager:
+        def __init__(self):
+            self.calls, self.error, self._quorum_future, self._quorum_id = 0, None, "failed future", 0
+
+        def start_quorum(self):
+            assert self._quorum_future is None, "the failed future was not dropped"
+            self.calls += 1
+            self.error = None
+            if self.calls == 1:
+                self._quorum_future = "failed future"
+                raise TimeoutError('status: Cancelled, message: "Timeout expired"')
+            self._quorum_future = "done"
+
+        def report_error(self, exc):
+            self.error = exc
+
+        def errored(self):
+            return self.error
+
+    manager = Manager()
+    manager._quorum_future = None
+    saved = dict(ft._ft)
+    ft._ft.update(manager=manager, errored=None, quorum_id=3, timeout=timedelta(seconds=5))
+    try:
+        first = (ft.start_step(), ft.step_errored(), ft._ft.get("unformed"), dist.get_world_size())
+        second = (ft.start_step(), ft.step_errored(), manager.calls)
+    finally:
+        ft._ft.clear()
+        ft._ft.update(saved)
+    return first, second
+
+
+def test_a_quorum_that_times_out_discards_the_step_and_the_next_asks_again():
+    from bagua_algos.experiments.gloo_workers import run_workers
+
+    first, second = run_workers(_quorum_timeout_worker, 2, timeout=60)[0]
+    assert first == (True, True, True, 1)  # errored, the old group closed, working alone
+    assert second[1:] == (False, 2)
+
+
 def test_unsupported_algorithms_are_refused_by_name():
     import torch
 

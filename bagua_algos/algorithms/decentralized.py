@@ -8,8 +8,8 @@ while forward and backward run, then applies the gradient computed at the old we
 
 Written as Bagua 0.9 writes it: the parameters are the Bagua tensors, in one flattened
 bucket with one decentralized synchronous op. The forward pre-hook marks them ready, so
-the communication thread gossips x^t into ``peer_weight`` (sending it from the bucket,
-which forward and backward only read) while forward and backward run; the post-backward hook waits and copies the result back before the
+the communication thread copies x^t into ``peer_weight`` and gossips it while forward
+and backward run; the post-backward hook waits and copies the result back before the
 optimizer step. Steps communicate when (step − 1) mod ``communication_interval`` = 0.
 
 Peer selection (W):

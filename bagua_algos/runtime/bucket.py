@@ -341,8 +341,7 @@ class BaguaBucket:
     ) -> "ops.DecentralizedSynchronousOp":
         """Gossip the bucket's weights with peers, result in ``peer_weight``.
 
-        The weights are averaged into ``peer_weight`` (copied there first, or, between
-        workers, sent from the bucket with the result built there) ("all": with
+        The weights are copied into ``peer_weight`` and averaged there ("all": with
         every worker; "shift_one": with one peer, changing at each execution;
         ``topology=`` (an extension of Bagua's API): with the topology's neighbours,
         Metropolis–Hastings weights). ``op.copy_back_peer_weight(bucket)`` writes the

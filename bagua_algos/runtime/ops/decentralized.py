@@ -23,9 +23,7 @@ class DecentralizedSynchronousOp:
 
     One execution:
 
-    1. peer_weight ← x (the bucket); without ``hierarchical`` this copy is folded into
-       the gossip (:meth:`~..gossip.Gossip.mix_into`: x is sent from the bucket and the
-       result built in peer_weight, the same bits, one pass over the weights fewer);
+    1. peer_weight ← x (the bucket);
     2. with ``hierarchical``, averaged within the node; only the node leaders (local
        rank 0) go on, gossiping among the nodes;
     3. the gossip, one :class:`~..gossip.Gossip` over the members (the group's workers,
@@ -111,16 +109,9 @@ class DecentralizedSynchronousOp:
             self._deferred = self.step
             self._state["decentralized_exchanges"] += 1
             return
-        x = effective(self.peer_weight)  # (Bagua's flattened_tensor(), [L] in a job)
-        weights = bucket.flat_view().view_as(x)
-        if self.hierarchical:
-            x.copy_(weights)
-            within_nodes(x, lambda x: self._gossip(x, self.step), self._intra_if_hierarchical(), self.is_leader)
-        else:
-            # Between workers the weights are read where they lie (forward and backward
-            # only read them until copy_back): sent from the bucket, the result built in
-            # peer_weight, bit for bit the copy's gossip without the copy.
-            self.gossip.mix_into(weights, x, self.step)
+        x = effective(self.peer_weight)
+        x.copy_(bucket.flat_view().view_as(x))  # (peer_weight: Bagua's flattened_tensor(), [L] in a job)
+        within_nodes(x, lambda x: self._gossip(x, self.step), self._intra_if_hierarchical(), self.is_leader)
         self._state["decentralized_exchanges"] += 1
 
     _deferred = None  # the engine: the exchange count of the gossip copy_back runs, if one is due

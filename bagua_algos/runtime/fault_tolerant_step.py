@@ -222,6 +222,16 @@ class FaultTolerantStep:
             self._snapshot["bagua"] = copy.deepcopy(ddp.state_dict())
             with torch.no_grad():
                 self._snapshot["model"] = {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
+            from . import comm
+
+            if comm.get_world_size() > 1:
+                # A replica that served its state to a healing peer stops serving it at its
+                # next commit (torchft's should_commit). Over a sparse topology (relay's
+                # trees, a gossip) it can reach that commit without exchanging with the
+                # healing peer at all, before the peer has fetched the state, which then
+                # waits for it in vain. A barrier of the new quorum, which a healing peer
+                # joins only once it holds its state, keeps the state served until then.
+                comm.barrier()
         self.last_begin = {"quorum": t1 - t0, "heal": t2 - t1, "rebuild": time.perf_counter() - t2}
         self.in_step = True
 

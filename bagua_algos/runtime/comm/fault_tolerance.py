@@ -185,11 +185,11 @@ def start_step() -> bool:
     """The step's quorum (re-forms the group if it changed, heals if behind). Returns
     whether the quorum changed since the previous step.
 
-    When no quorum came within the timeout, or the manager failed to form the group
-    (torchft reports a failed ``configure`` and keeps the quorum's id), the step is
-    errored: its collectives are skipped and it is discarded; until the group exists
-    again this process works in a group of its own, and the next quorum forms the group
-    again even if its id is unchanged."""
+    When no quorum came within the timeout the step is errored (its collectives are
+    skipped and it is discarded). When the manager failed to form the group (torchft
+    reports a failed ``configure`` and keeps the quorum's id), the step is errored too;
+    until the group exists again this process works in a group of its own, and the next
+    quorum forms the group again even if its id is unchanged."""
     manager = _ft["manager"]
     before = _ft["quorum_id"]
     torn = False
@@ -208,15 +208,12 @@ def start_step() -> bool:
     try:
         manager.start_quorum()
     except TimeoutError as exc:
-        # No quorum within the timeout (the lighthouse's members changed under it, or a
-        # healing peer and this replica waited on each other): the step is discarded
-        # like a failed collective, the group (of an older quorum) is closed, and the
-        # next step asks again and forms it anew. torchft keeps the failed future and
-        # would raise it again at the next start_quorum: dropped.
+        # No quorum within the timeout (the lighthouse's members changed under it): the
+        # step is discarded like a failed collective and the next step asks again (a new
+        # quorum forms its group anew). torchft keeps the failed future and would raise
+        # it again at the next start_quorum: dropped.
         manager._quorum_future = None
         manager.report_error(exc)
-        if dist.is_initialized():
-            dist.destroy_process_group()
     failed = manager.errored()
     if failed is not None:
         _ft["errored"] = getattr(failed, "original_exception", failed)

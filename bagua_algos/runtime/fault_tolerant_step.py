@@ -201,7 +201,7 @@ class FaultTolerantStep:
         ddp._bagua_backend.wait_pending_comm_ops()
         self._snapshot = _snapshot(ddp, self.optimizer)
         t0 = time.perf_counter()
-        changed = ft.start_step()
+        changed = quorum_changed = ft.start_step()  # (quorum_changed: the same on every member)
         t1 = time.perf_counter()
         if self._broken:  # the last step's algorithm errors left it half-way: build it again
             changed = True
@@ -224,13 +224,15 @@ class FaultTolerantStep:
                 self._snapshot["model"] = {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
             from . import comm
 
-            if comm.get_world_size() > 1:
+            if quorum_changed and comm.get_world_size() > 1:
                 # A replica that served its state to a healing peer stops serving it at its
                 # next commit (torchft's should_commit). Over a sparse topology (relay's
                 # trees, a gossip) it can reach that commit without exchanging with the
                 # healing peer at all, before the peer has fetched the state, which then
                 # waits for it in vain. A barrier of the new quorum, which a healing peer
                 # joins only once it holds its state, keeps the state served until then.
+                # Only at a new quorum, which every member sees: a heal or a rebuild of
+                # this replica alone (same quorum) must not wait for peers that do not.
                 comm.barrier()
         self.last_begin = {"quorum": t1 - t0, "heal": t2 - t1, "rebuild": time.perf_counter() - t2}
         self.in_step = True

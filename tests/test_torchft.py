@@ -169,7 +169,7 @@ def _quorum_timeout_worker(rank, world):
 
     class Manager:
         def __init__(self):
-            self.calls, self.error, self._quorum_future, self._quorum_id = 0, None, "failed future", 0
+            self.calls, self.error, self._quorum_future, self._quorum_id = 0, None, None, 0
 
         def start_quorum(self):
             assert self._quorum_future is None, "the failed future was not dropped"
@@ -187,7 +187,6 @@ def _quorum_timeout_worker(rank, world):
             return self.error
 
     manager = Manager()
-    manager._quorum_future = None
     saved = dict(ft._ft)
     ft._ft.update(manager=manager, errored=None, quorum_id=3, timeout=timedelta(seconds=5))
     try:

@@ -36,6 +36,8 @@ __all__ = ["LowPrecisionDecentralizedAlgorithm", "LowPrecisionDecentralizedAlgor
 
 
 class LowPrecisionDecentralizedAlgorithmImpl(ModelAveragingAlgorithmImpl):
+    finds_parameters_in_the_optimizer = True  # (its post-step hook marks the optimizer's parameters ready)
+
     WORLD_SIZE_RULE = {
         "step counter": "carried over",
         "copies of the own and the ring neighbours' weights": "reset to the loaded weights (at a new world size "

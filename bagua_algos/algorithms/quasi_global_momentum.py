@@ -33,6 +33,8 @@ class QuasiGlobalMomentumImpl(AdaptThenCombineImpl):
     """``bucket.state["quasi_global_momentum"]``: m̂, ``[W, L]`` (zero at the start); the
     optimizer's momentum buffers are overwritten with it after every step."""
 
+    finds_parameters_in_the_optimizer = True  # (each parameter's lr and momentum from its param group)
+
     WORLD_SIZE_RULE = {
         "step counter and exchange count": "carried over",
         "quasi-global momentum m̂ (this worker's)": "carried over (at a new world size, the first rank's)",

@@ -47,6 +47,18 @@ class Engine:
         device: where all workers live (the CPU or one GPU).
         bucket_size: the per-rank runtime's bucket size (bytes): it decides the buckets,
             which decide what the quantising and relaying algorithms cut into chunks.
+        flat_optimizer: build the optimizer on the one ``[n, d]`` parameter matrix
+            (``engine.model.params``, its ``.grad`` the stacked gradients) instead of on
+            the parameters' ``[n, *shape]`` views. For an elementwise optimizer with one
+            param group (SGD, Adam, AdamW: the same hyper-parameters for every
+            parameter) this is the same arithmetic on every number, in one contiguous
+            tensor: a fused kernel steps all of it in one call, where on the views, each
+            strided (a row of ``[n, d]`` apart), torch's fused AdamW copies each one
+            first. The zero padding of the buckets stays zero (its gradient is zero).
+            The optimizer's state is then one ``[n, d]`` tensor per state name; param
+            groups per parameter are not possible, and an algorithm that looks its
+            parameters up in the optimizer (QAdam, low-precision decentralized,
+            quasi-global momentum) is refused.
 
     ``step(x, y, loss_fn)`` is one training step of every worker: ``x[i]``, ``y[i]`` are
     worker i's batch. An algorithm the engine cannot run is refused by name when the
@@ -54,11 +66,14 @@ class Engine:
     """
 
     def __init__(self, module: torch.nn.Module, n: int, algorithm, optimizer, device="cpu",
-                 bucket_size: int = DEFAULT_BUCKET_SIZE):
+                 bucket_size: int = DEFAULT_BUCKET_SIZE, flat_optimizer: bool = False):
         self.n = check_int("n", n, 1, what="a number of workers >= 1")
+        if not isinstance(flat_optimizer, bool):
+            raise TypeError(f"flat_optimizer must be True or False, got {flat_optimizer!r}")
         self.device = torch.device(device)
         self.algorithm = algorithm
-        self.runtime = StackedRuntime(module, self.n, algorithm, optimizer, self.device, bucket_size)
+        self.runtime = StackedRuntime(module, self.n, algorithm, optimizer, self.device, bucket_size,
+                                      flat_optimizer=flat_optimizer)
         self.model = self.runtime.model
         self.optimizer = self.runtime.bagua_optimizers[0]
 

@@ -92,17 +92,39 @@ def _is_transport_call(err: BaseException) -> bool:
     return "process group has not been initialized" in text or "init_process_group" in text
 
 
+def _check_not_fused_on_strided_views(optimizer) -> None:
+    """Refuse a fused torch optimizer (``fused=True``) on the parameters' views: its
+    kernel writes a parameter as if it were contiguous (torch 2.14, CPU: the update of a
+    ``[n, *shape]`` view, its rows ``d`` apart, lands in worker 0's next columns and
+    no other worker's parameters change), so every worker would train wrongly and
+    silently. On the one contiguous ``[n, d]`` matrix (``flat_optimizer=True``) it is
+    right."""
+    for group in getattr(optimizer, "param_groups", ()):
+        if group.get("fused") and any(torch.is_tensor(p) and not p.is_contiguous() for p in group["params"]):
+            raise EngineRefusal(
+                f"optimizer: {type(optimizer).__name__}(fused=True) steps the engine's parameters, which are strided "
+                "[n, *shape] views of one [n, d] matrix, and torch's fused kernels write a strided tensor as if it "
+                "were contiguous (the updates would land in the wrong columns); build the engine with "
+                "flat_optimizer=True (the fused kernel then steps the contiguous matrix) or the optimizer with "
+                "fused=False")
+
+
 class StackedRuntime:
     """The ``bagua_ddp`` an algorithm's hooks are given on the engine (Bagua's names:
     ``module``, ``bagua_module_name``, ``bagua_optimizers``, ``bagua_algorithm``,
     ``process_group``, ``bagua_train_step_counter``, ``bagua_buckets``,
     ``_bagua_backend``, ``bagua_build_params()``), and the driver of its step."""
 
-    def __init__(self, module: torch.nn.Module, n: int, algorithm, optimizer_factory, device, bucket_size: int):
+    def __init__(self, module: torch.nn.Module, n: int, algorithm, optimizer_factory, device, bucket_size: int,
+                 flat_optimizer: bool = False):
         reason = refusal(algorithm)
         if reason is not None:
             raise EngineRefusal(f"the one-process engine does not run {type(algorithm).__name__}: {reason}; "
                                 "run it as processes (--engine processes)")
+        self.flat_optimizer = flat_optimizer
+        if flat_optimizer and getattr(algorithm, "for_parameters", None) is not None:
+            raise EngineRefusal(f"flat_optimizer=True: {type(algorithm).__name__} builds its own optimizer on the "
+                                "parameters; build the engine without flat_optimizer")
         self.group = comm.StackedGroup(n, device)
         self.n = n
         self.device = torch.device(device)
@@ -120,6 +142,10 @@ class StackedRuntime:
         self.module = module
         with comm.stacked_world(self.group):
             self.bagua_algorithm = algorithm.reify(self.group)
+            if flat_optimizer and getattr(self.bagua_algorithm, "finds_parameters_in_the_optimizer", False):
+                raise EngineRefusal(f"flat_optimizer=True: the optimizer then holds the stacked [n, d] parameter "
+                                    f"matrix, not the model's parameters, and {type(algorithm).__name__} looks its "
+                                    "parameters up in the optimizer; build the engine without flat_optimizer")
             # 1. the algorithm's buckets on a provisional layout, 2. the layout they ask for
             self._stack(Layout.of(module, bucket_size=bucket_size), optimizer_factory)
             self._stack(self._layout_of(self._buckets()), optimizer_factory)
@@ -137,16 +163,21 @@ class StackedRuntime:
         The optimizer steps the views (``[n, *shape]``, each worker's tensor a row), as
         a rank's optimizer steps its parameters: an elementwise optimizer is then every
         worker's own, and ``optimizer.param_groups`` holds the tensors the algorithm
-        registered (a post-step hook that marks them ready finds them there)."""
+        registered (a post-step hook that marks them ready finds them there).
+        With ``flat_optimizer`` it steps the ``[n, d]`` matrix itself (the same numbers,
+        one tensor)."""
         self.model = StackedModel(self.module, self.n, layout, self.device)
         self._views()
         params = [view for _, view in self.bagua_build_params()]
         for_parameters = getattr(self.algorithm, "for_parameters", None)
-        if for_parameters is not None:  # an algorithm that owns its optimizer (QAdam): its own, on the views
+        if self.flat_optimizer:
+            optimizer = optimizer_factory([self.model.params])
+        elif for_parameters is not None:  # an algorithm that owns its optimizer (QAdam): its own, on the views
             algorithm, optimizer = for_parameters(self.module, params, optimizer_factory)
             self.bagua_algorithm = algorithm.reify(self.group)  # (in __init__'s stacked world)
         else:
             optimizer = optimizer_factory(params)
+            _check_not_fused_on_strided_views(optimizer)
         self.bagua_optimizers = [optimizer]
 
     def _views(self) -> None:

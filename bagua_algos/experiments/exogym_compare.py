@@ -38,10 +38,14 @@ exogym`` (the default) the engine the same batches (:func:`exogym_batches`); wit
 
 AdamW (``--adamw``): torch's fused implementation on both sides by default (EXO Gym's
 ``OptimSpec`` passes ``fused=True`` to each node's AdamW, the engine's factory to the
-stacked one). On a CPU torch's default is the for-loop implementation, seven passes
-over every tensor a step; on the engine's stacked ``[n, ...]`` parameters that was
-about half of a DiLoCo inner step (at 8 nodes: 4.1 ms of AdamW against 0.74 ms fused,
-one thread), on a node's own parameters a smaller share of its step.
+stacked one, built with ``flat_optimizer=True``: one AdamW over the ``[n, d]`` matrix
+of every node's parameters, the same arithmetic per number). On a CPU torch's default
+is the for-loop implementation, seven passes over every tensor a step; on the engine's
+stacked parameters that was about half of a DiLoCo inner step (at 8 nodes: 4.1 ms of
+AdamW against 0.74 ms fused, one thread), on a node's own parameters a smaller share of
+its step. (torch's fused kernels write a strided tensor as if it were contiguous, so on
+the engine's ``[n, *shape]`` views they trained wrongly: the engine now refuses them
+there, and this comparison's figures before that was found are void.)
 
 Every run is a fresh ``python -m bagua_algos.experiments.exogym_compare --one ...``
 child, EXO Gym's and the engine's alike, interleaved per seed, and its process tree's
@@ -313,7 +317,11 @@ def run_engine(args, method: str, seed: int) -> dict:
     else:
         algorithm = Algorithm.init("sparta", fraction=args.sparta_fraction, seed=seed)
         optimizer = lambda p: torch.optim.AdamW(p, lr=args.lr_adamw, weight_decay=0.1, **adamw)  # noqa: E731
-    engine = Engine(net, args.nodes, algorithm, optimizer)
+    # The optimizer steps the one [n, d] parameter matrix (flat_optimizer): the same
+    # arithmetic per number as each node's own AdamW, one fused call, no strided views
+    # (torch's fused AdamW writes a strided view wrongly: the engine refuses it there).
+    engine = Engine(net, args.nodes, algorithm, optimizer, flat_optimizer=True)
+    train_x, train_y = data.train_x, data.train_y
     loss_fn = torch.nn.functional.cross_entropy
     times, epoch = [], 0
     while len(times) < args.steps:
@@ -321,8 +329,10 @@ def run_engine(args, method: str, seed: int) -> dict:
             batches = exogym_batches(len(data.train_y), args.nodes, args.batch)
         else:
             batches = rt.iid_batches(len(data.train_y), args.nodes, args.batch, epoch, seed, "cpu")
-        for index in batches:
-            engine.step(data.train_x[index], data.train_y[index], loss_fn)
+        for index in batches:  # [n, b] sample indices: gathered as one index_select
+            rows = index.flatten()
+            engine.step(train_x.index_select(0, rows).view(*index.shape, *train_x.shape[1:]),
+                        train_y.index_select(0, rows).view(index.shape), loss_fn)
             times.append((time.perf_counter(), time.process_time()))
             if len(times) == args.steps:
                 break

@@ -79,6 +79,12 @@ class AlgorithmImpl:
     defines ``init_post_optimizer_step_hook`` itself, is taken to need the step (True):
     that is an algorithm file written for Bagua, which has no such attribute."""
 
+    finds_parameters_in_the_optimizer: bool = False
+    """Whether the algorithm looks its parameters up in the optimizer's param groups
+    (low-precision decentralized marks them ready from there, quasi-global momentum
+    reads each one's learning rate and momentum): then the engine's optimizer must be
+    built on the parameters, not on the stacked matrix (``flat_optimizer``)."""
+
     gradients_accumulate: bool = False
     """Whether backward must add to the gradients the algorithm leaves between steps
     (PowerSGD with ``error_in_grad`` keeps λ·e there, and the training loop does not

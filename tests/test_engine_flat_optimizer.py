@@ -116,3 +116,18 @@ def test_a_fused_optimizer_on_the_strided_views_is_refused(make):
         Engine(_model(), N, GradientAllReduceAlgorithm(), make)
     Engine(_model(), N, GradientAllReduceAlgorithm(), make, flat_optimizer=True)
     Engine(_model(), 1, GradientAllReduceAlgorithm(), make)  # one worker: every view is contiguous
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_the_flat_fused_optimizer_trains_as_the_views_do():
+    def run(flat, optimizer):
+        engine = Engine(_model(), N, Algorithm.init("diloco", sync_every=5), optimizer, device="cuda",
+                        flat_optimizer=flat)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(14):
+            x, y = torch.randn(N, B, 3, 4, generator=g), torch.randint(0, 3, (N, B), generator=g)
+            engine.step(x.cuda(), y.cuda(), nn.functional.cross_entropy)
+        return engine.model.params.detach().cpu()
+
+    flat_optimizer, reference = OPTIMIZERS["adamw_fused"]
+    torch.testing.assert_close(run(True, flat_optimizer), run(False, reference), rtol=1e-5, atol=1e-6)

@@ -153,6 +153,62 @@ def test_the_accelerator_equals_the_exchange_bit_for_bit(name, n, dtype):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("topology", [ShiftOneTopology(6), topologies.OnePeerExponentialTopology(8),
+                                      get_topology("ring", 5), get_topology("exponential", 8), None],
+                         ids=["shift_one", "one_peer_exponential", "ring", "exponential", "all"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mix_into_is_the_copy_then_mix_bit_for_bit(topology, dtype):
+    """mix_into(x, out) (the decentralized op's path in a job: x sent from the bucket,
+    the result built in peer_weight) leaves x as it was and out as out.copy_(x) then
+    mix_(out) would, bit for bit, through the exchange (not the accelerator)."""
+    n = 5 if topology is None else topology.world_size
+    world = StackedGroup(n)
+    into, inplace = (Gossip(topology, list(range(n)), list(range(n)), world) for _ in range(2))
+    into.accelerator = inplace.accelerator = None
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(n, 33, generator=g) * torch.logspace(-6, 6, 33)).to(dtype)
+    with stacked_world(world):
+        for step in range(4):
+            before, out, expected = x.clone(), torch.full_like(x, float("nan")), x.clone()
+            into.mix_into(x, out, step)
+            inplace.mix_(expected, step)
+            assert torch.equal(x, before)
+            assert torch.equal(out, expected)
+            x = out
+
+
+def _job_worker(rank, n):
+    """Each time-varying topology's mix_ and mix_into in a gloo job, three exchanges each."""
+    out = {}
+    for name, topology in (("shift_one", ShiftOneTopology(n)), ("exp", topologies.OnePeerExponentialTopology(n))):
+        gossip = Gossip(topology, [rank], list(range(n)), None)
+        x = (torch.randn(33, generator=torch.Generator().manual_seed(rank)) * torch.logspace(-6, 6, 33))
+        start, into, inplace = x.clone(), [], x.clone()
+        for step in range(3):
+            y = torch.full_like(x, float("nan"))
+            gossip.mix_into(x, y, step)
+            gossip.mix_(inplace, step)
+            into.append(y)
+            x = y
+        out[name] = (start, into, inplace)
+    return out
+
+
+def test_a_job_s_time_varying_exchange_in_place_and_into_gives_the_formula():
+    """In a job, mix_ and mix_into of a time-varying topology give, bit for bit,
+    (x_i + x_peer) / 2 at every exchange."""
+    from bagua_algos.experiments.gloo_workers import run_workers
+
+    n = 4
+    results = run_workers(_job_worker, n, timeout=120)
+    for name, topology in (("shift_one", ShiftOneTopology(n)), ("exp", topologies.OnePeerExponentialTopology(n))):
+        x = torch.stack([results[r][name][0] for r in range(n)])
+        for step in range(3):
+            x = torch.stack([(x[i] + x[topology.in_peer(i, step)]) * 0.5 for i in range(n)])
+            assert torch.equal(torch.stack([results[r][name][1][step] for r in range(n)]), x)
+        assert torch.equal(torch.stack([results[r][name][2] for r in range(n)]), x)
+
+
 def test_one_member_and_bad_shapes():
     world = StackedGroup(3)
     with stacked_world(world):

@@ -8,9 +8,11 @@ while forward and backward run, then applies the gradient computed at the old we
 
 Written as Bagua 0.9 writes it: the parameters are the Bagua tensors, in one flattened
 bucket with one decentralized synchronous op. The forward pre-hook marks them ready, so
-the communication thread copies x^t into ``peer_weight`` and gossips it while forward
-and backward run; the post-backward hook waits and copies the result back before the
-optimizer step. Steps communicate when (step − 1) mod ``communication_interval`` = 0.
+the communication thread gossips x^t into ``peer_weight`` while forward and backward
+run (shift_one and a topology send x^t from the bucket, which forward and backward only
+read, and build the result in ``peer_weight``; "all" copies it there and averages it in
+place); the post-backward hook waits and copies the result back before the optimizer
+step. Steps communicate when (step − 1) mod ``communication_interval`` = 0.
 
 Peer selection (W):
 - ``"all"``: W = (1/n) 11ᵀ, an allreduce average of the weights;

@@ -341,9 +341,10 @@ class BaguaBucket:
     ) -> "ops.DecentralizedSynchronousOp":
         """Gossip the bucket's weights with peers, result in ``peer_weight``.
 
-        The weights are copied into ``peer_weight`` and averaged there ("all": with
-        every worker; "shift_one": with one peer, changing at each execution;
-        ``topology=`` (an extension of Bagua's API): with the topology's neighbours,
+        The weights are averaged into ``peer_weight`` (copied there first, or, between
+        workers with shift_one or a topology, sent from the bucket with the result built
+        there) ("all": with every worker; "shift_one": with one peer, changing at each
+        execution; ``topology=`` (an extension of Bagua's API): with the topology's neighbours,
         Metropolis–Hastings weights). ``op.copy_back_peer_weight(bucket)`` writes the
         result into the bucket.
         """

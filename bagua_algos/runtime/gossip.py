@@ -130,6 +130,17 @@ class Gossip:
             self._received = {key: torch.zeros(x.shape[0], self.slots, x.shape[1], dtype=x.dtype, device=x.device)}
         return self._received[key]
 
+    def _pairwise(self, rows: torch.Tensor, received: torch.Tensor, step: int, average) -> None:
+        """A time-varying topology's exchange at ``step`` (each row to its out-peer, its
+        in-peer's into ``received``), then ``average()``. (Sending in pieces, each
+        averaged while the later ones travel, was measured slower where the exchange is
+        CPU: docs/benchmarks.md, "Against Decent-DP".)"""
+        t = self.topology
+        out = self._peer([t.out_peer(i, step) for i in self.rows])
+        into = self._peer([t.in_peer(i, step) for i in self.rows])
+        comm.neighbor_exchange([(out, rows)], [(into, received)], group=self.group)
+        average()
+
     def mix_(self, x: torch.Tensor, step: int = 0) -> None:
         """x ← W_t x in place (``step``: the exchange's index t, for a time-varying
         topology; counted from 0)."""
@@ -140,12 +151,8 @@ class Gossip:
             comm.allreduce_inplace(x, comm.ReduceOp.AVG, group=self.group)
             return
         if self.topology.time_varying:
-            t = self.topology
             received = self._buffer(rows)[:, 0]
-            out = self._peer([t.out_peer(i, step) for i in self.rows])
-            into = self._peer([t.in_peer(i, step) for i in self.rows])
-            comm.neighbor_exchange([(out, rows)], [(into, received)], group=self.group)
-            pairwise_average_(rows, received)
+            self._pairwise(rows, received, step, lambda: pairwise_average_(rows, received))
             return
         if self.accelerator is not None:
             count_neighbor_exchange(self.group, [(peer, rows) for peer in self._peers])
@@ -158,6 +165,32 @@ class Gossip:
         rows.mul_(self_weight)
         for s in range(self.slots):
             rows.addcmul_(received[:, s], weight[:, s:s + 1])
+
+    def mix_into(self, x: torch.Tensor, out: torch.Tensor, step: int = 0) -> torch.Tensor:
+        """out ← W_t x, x left as it is (read while the exchange sends it): the terms
+        and order of :meth:`mix_`, so ``out`` holds, bit for bit, what ``out.copy_(x)``
+        and ``mix_(out, step)`` would leave there, without the copy. A time-varying
+        topology receives the peer's x into ``out`` and adds x there (received + x, the
+        same sum as x + received); a fixed one starts ``out`` as x · w_ii. ``out`` must
+        not overlap x. ("all" and one member: the copy, then :meth:`mix_`.)"""
+        rows, into_rows = self._as_rows(x), self._as_rows(out)
+        if into_rows.shape != rows.shape:
+            raise ValueError(f"out must be shaped as x, {tuple(x.shape)}; got {tuple(out.shape)}")
+        if self.members == 1 or self.topology is None or self.accelerator is not None:
+            out.copy_(x)
+            self.mix_(out, step)
+            return out
+        if self.topology.time_varying:
+            self._pairwise(rows, into_rows, step, lambda: pairwise_average_(into_rows, rows))
+            return out
+        received = self._buffer(rows)
+        comm.neighbor_exchange([(peer, rows) for peer in self._peers],
+                               [(peer, received[:, s]) for s, peer in enumerate(self._peers)], group=self.group)
+        self_weight, weight = self.table.weights_as(rows)
+        torch.mul(rows, self_weight, out=into_rows)
+        for s in range(self.slots):
+            into_rows.addcmul_(received[:, s], weight[:, s:s + 1])
+        return out
 
 
 class StackedMix:

@@ -23,7 +23,12 @@ class DecentralizedSynchronousOp:
 
     One execution:
 
-    1. peer_weight ← x (the bucket);
+    1. peer_weight ← x (the bucket). Without ``hierarchical`` the gossip is
+       :meth:`~..gossip.Gossip.mix_into`, which for shift_one and a topology folds this
+       copy into the exchange: x is sent from the bucket (forward and backward only read
+       it) and the result built in peer_weight, bit for bit the copy's gossip, one pass
+       over the weights fewer; "all" (an allreduce in place) still copies first, as does
+       ``hierarchical`` (peer_weight is reduced within the node);
     2. with ``hierarchical``, averaged within the node; only the node leaders (local
        rank 0) go on, gossiping among the nodes;
     3. the gossip, one :class:`~..gossip.Gossip` over the members (the group's workers,
@@ -109,9 +114,16 @@ class DecentralizedSynchronousOp:
             self._deferred = self.step
             self._state["decentralized_exchanges"] += 1
             return
-        x = effective(self.peer_weight)
-        x.copy_(bucket.flat_view().view_as(x))  # (peer_weight: Bagua's flattened_tensor(), [L] in a job)
-        within_nodes(x, lambda x: self._gossip(x, self.step), self._intra_if_hierarchical(), self.is_leader)
+        x = effective(self.peer_weight)  # (Bagua's flattened_tensor(), [L] in a job)
+        weights = bucket.flat_view().view_as(x)
+        if self.hierarchical:
+            x.copy_(weights)
+            within_nodes(x, lambda x: self._gossip(x, self.step), self._intra_if_hierarchical(), self.is_leader)
+        else:
+            # Between workers the weights are read where they lie (forward and backward
+            # only read them until copy_back): sent from the bucket, the result built in
+            # peer_weight, bit for bit the copy's gossip without the copy.
+            self.gossip.mix_into(weights, x, self.step)
         self._state["decentralized_exchanges"] += 1
 
     _deferred = None  # the engine: the exchange count of the gossip copy_back runs, if one is due

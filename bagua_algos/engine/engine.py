@@ -52,9 +52,11 @@ class Engine:
             the parameters' ``[n, *shape]`` views. For an elementwise optimizer with one
             param group (SGD, Adam, AdamW: the same hyper-parameters for every
             parameter) this is the same arithmetic on every number, in one contiguous
-            tensor: a fused kernel steps all of it in one call, where on the views, each
-            strided (a row of ``[n, d]`` apart), torch's fused AdamW copies each one
-            first. The zero padding of the buckets stays zero (its gradient is zero).
+            tensor: a fused kernel steps all of it in one call. On the views, each
+            strided (a row of ``[n, d]`` apart), a fused optimizer is refused (torch's
+            fused kernels write a strided tensor as if it were contiguous) and the
+            for-loop and foreach ones step view by view. The zero padding of the
+            buckets stays zero (its gradient is zero).
             The optimizer's state is then one ``[n, d]`` tensor per state name; param
             groups per parameter are not possible, and an algorithm that looks its
             parameters up in the optimizer (QAdam, low-precision decentralized,

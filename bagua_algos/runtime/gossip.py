@@ -158,13 +158,19 @@ class Gossip:
             count_neighbor_exchange(self.group, [(peer, rows) for peer in self._peers])
             self.accelerator.mix_(rows)
             return
+        self._fixed(rows, rows)
+
+    def _fixed(self, rows: torch.Tensor, into_rows: torch.Tensor) -> None:
+        """A fixed topology's exchange of ``rows`` with every neighbour, then
+        into_rows ← w_ii · rows + Σ_j w_ij · received_j (in place when ``into_rows``
+        is ``rows``: the exchange is over before it is written)."""
         received = self._buffer(rows)
         comm.neighbor_exchange([(peer, rows) for peer in self._peers],
                                [(peer, received[:, s]) for s, peer in enumerate(self._peers)], group=self.group)
         self_weight, weight = self.table.weights_as(rows)
-        rows.mul_(self_weight)
+        torch.mul(rows, self_weight, out=into_rows)
         for s in range(self.slots):
-            rows.addcmul_(received[:, s], weight[:, s:s + 1])
+            into_rows.addcmul_(received[:, s], weight[:, s:s + 1])
 
     def mix_into(self, x: torch.Tensor, out: torch.Tensor, step: int = 0) -> torch.Tensor:
         """out ← W_t x, x left as it is (read while the exchange sends it): the terms
@@ -183,13 +189,7 @@ class Gossip:
         if self.topology.time_varying:
             self._pairwise(rows, into_rows, step, lambda: pairwise_average_(into_rows, rows))
             return out
-        received = self._buffer(rows)
-        comm.neighbor_exchange([(peer, rows) for peer in self._peers],
-                               [(peer, received[:, s]) for s, peer in enumerate(self._peers)], group=self.group)
-        self_weight, weight = self.table.weights_as(rows)
-        torch.mul(rows, self_weight, out=into_rows)
-        for s in range(self.slots):
-            into_rows.addcmul_(received[:, s], weight[:, s:s + 1])
+        self._fixed(rows, into_rows)
         return out
 
 

@@ -168,6 +168,8 @@ class QAdamOptimizer(Optimizer):
         return loss
 
 class QAdamAlgorithmImpl(AlgorithmImpl):
+    finds_parameters_in_the_optimizer = True  # (its own optimizer's param groups: the tensors it compresses)
+
     WORLD_SIZE_RULE = {
         "step counter": "carried over",
         "momentum and variance (the optimizer's state)": "carried over (the checkpoint helper loads the first "

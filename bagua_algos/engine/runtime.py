@@ -122,9 +122,6 @@ class StackedRuntime:
             raise EngineRefusal(f"the one-process engine does not run {type(algorithm).__name__}: {reason}; "
                                 "run it as processes (--engine processes)")
         self.flat_optimizer = flat_optimizer
-        if flat_optimizer and getattr(algorithm, "for_parameters", None) is not None:
-            raise EngineRefusal(f"flat_optimizer=True: {type(algorithm).__name__} builds its own optimizer on the "
-                                "parameters; build the engine without flat_optimizer")
         self.group = comm.StackedGroup(n, device)
         self.n = n
         self.device = torch.device(device)

@@ -82,7 +82,7 @@ class AlgorithmImpl:
     finds_parameters_in_the_optimizer: bool = False
     """Whether the algorithm looks its parameters up in the optimizer's param groups
     (low-precision decentralized marks them ready from there, quasi-global momentum
-    reads each one's learning rate and momentum): then the engine's optimizer must be
+    reads each one's learning rate and momentum, QAdam steps its own optimizer's): then the engine's optimizer must be
     built on the parameters, not on the stacked matrix (``flat_optimizer``)."""
 
     gradients_accumulate: bool = False

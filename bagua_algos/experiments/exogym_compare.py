@@ -49,11 +49,18 @@ there, and this comparison's figures before that was found are void.)
 
 Every run is a fresh ``python -m bagua_algos.experiments.exogym_compare --one ...``
 child, EXO Gym's and the engine's alike, interleaved per seed, and its process tree's
-memory is sampled every 0.1 s. Step time: EXO Gym's strategy is subclassed only to
+memory is sampled every 0.1 s or 20 times a sample's CPU time, whichever is longer
+(reading PSS costs about 55 CPU ms for EXO Gym's nine processes: sampled every 0.1 s,
+a third of a core was taken from the run it measured). Step time: EXO Gym's strategy is subclassed only to
 note the time on rank 0 after each step (its loop is unchanged: the step ends with its
 barrier), the engine's steps are timed in the same way; both over the steps after the
 first ``--warmup``. Threads: one torch thread per EXO Gym process (its 8 processes can
-use every core); the engine's one process takes ``--engine-threads`` (default 1).
+use every core); the engine's one process takes ``--engine-threads`` (default: the
+cores this process may run on, the ones EXO Gym's nodes share). On a quiet 2-core
+machine two threads take the engine's DiLoCo step from about 3.3 to 2.7 ms; with
+another busy process on the machine, OpenMP's spinning threads wait for a core and
+the step collapses (9–58 ms against one thread's 3.2–3.5): pass ``--engine-threads 1``
+on a loaded machine.
 
 EXO Gym's DiLoCo (``--exogym-diloco``): ``matched`` (the default) runs EXO Gym's
 strategy with two changes (:class:`_MatchedDiLoCo`), so that both sides train the same
@@ -93,6 +100,11 @@ FRAMEWORKS = ("exogym", "engine")
 # ------------------------------------------------------------------------------ command line
 
 
+def _cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="exogym_compare", description=__doc__.split("\n")[0])
     p.add_argument("--nodes", type=int, default=8, help="simulated nodes (default 8)")
@@ -115,8 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the engine's batches: exogym (default: EXO Gym's, torch's DistributedSampler at its seed 0 "
                         "and epoch 0 every epoch, each share's last short batch included) or own (the sweep's "
                         "iid_batches: permuted per epoch and seed, the short batch dropped)")
-    p.add_argument("--engine-threads", type=int, default=1,
-                   help="torch threads of the engine's process (default 1; EXO Gym's nodes keep one each)")
+    p.add_argument("--engine-threads", type=int, default=_cores(),
+                   help="torch threads of the engine's process (default: the cores this process may use, which EXO "
+                        "Gym's nodes share, one thread each; 1 on a loaded machine)")
     p.add_argument("--sparta-fraction", type=float, default=0.005, help="SPARTA's share (EXO Gym's default)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a run may take")
     p.add_argument("--out", default=None, help="write every run's record here (JSON)")
@@ -363,6 +376,21 @@ def run_one(args) -> int:
 # ------------------------------------------------------------------------------ memory
 
 
+MEMORY_SAMPLE_GAP = 20
+"""The memory sampler waits this many times a sample's CPU time (at least 0.1 s) before
+the next: at most 1/21 of one core."""
+
+
+def _sample_wait(cost_s: float) -> float:
+    """Seconds the memory sampler waits after a sample that took ``cost_s`` CPU seconds.
+
+    Reading smaps_rollup walks every mapping of every process: about 55 CPU ms for EXO
+    Gym's nine processes at 8 nodes. Sampled every 0.1 s, that took a third of a core
+    from the run being timed (EXO Gym's DiLoCo step 16.1–16.4 ms against 13.9–14.2 with
+    this wait, alternated in one session)."""
+    return max(0.1, MEMORY_SAMPLE_GAP * cost_s)
+
+
 def _tree_pss_kib(root: int) -> int:
     """PSS (KiB) summed over ``root`` and every process below it."""
     children: dict = {}
@@ -404,8 +432,9 @@ def _run_child(args, framework: str, method: str, seed: int, argv: list) -> dict
 
     def sample():
         while not stop.is_set():
+            started_sample = time.thread_time()
             peak[0] = max(peak[0], _tree_pss_kib(child.pid))
-            stop.wait(0.1)
+            stop.wait(_sample_wait(time.thread_time() - started_sample))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()

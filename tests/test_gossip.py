@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import topologies
 from bagua_algos.runtime import comm
 from bagua_algos.runtime.comm.stacked import StackedGroup, stacked_world
-from bagua_algos.runtime.gossip import Gossip, StackedMix, pairwise_average_
+from bagua_algos.runtime.gossip import Gossip, StackedMix, pairwise_average_, pairwise_average_and_copy_
 from bagua_algos.runtime.rows import torch_passes_only
 from bagua_algos.runtime.topology import NeighbourTable
 from topologies import ShiftOneTopology, get_topology, shift_one_peer
@@ -177,20 +179,67 @@ def test_mix_into_is_the_copy_then_mix_bit_for_bit(topology, dtype):
             x = out
 
 
+@pytest.mark.parametrize("topology", [ShiftOneTopology(4), topologies.OnePeerExponentialTopology(8),
+                                      get_topology("ring", 5), None],
+                         ids=["shift_one", "one_peer_exponential", "ring", "all"])
+def test_exchange_into_then_finish_is_mix_into_then_the_copy_back(topology):
+    """exchange_into(x, out) and finish(x) (the decentralized op's exchange and its
+    copy_back) leave out and x as mix_into(x, out) then x.copy_(out) would, bit for bit;
+    finish(None) leaves x alone."""
+    n = 5 if topology is None else topology.world_size
+    world = StackedGroup(n)
+    split, whole = (Gossip(topology, list(range(n)), list(range(n)), world) for _ in range(2))
+    split.accelerator = whole.accelerator = None
+    x = torch.randn(n, 70_001, generator=torch.Generator().manual_seed(5)) * 10
+    with stacked_world(world):
+        for step in range(3):
+            expected_out, expected_x = torch.full_like(x, float("nan")), x.clone()
+            whole.mix_into(expected_x, expected_out, step)
+            expected_x.copy_(expected_out)
+            out, before = torch.full_like(x, float("nan")), x.clone()
+            finish = split.exchange_into(x, out, step)
+            if step == 2:
+                finish(None)
+                assert torch.equal(x, before) and torch.equal(out, expected_out)
+                break
+            finish(x)
+            assert torch.equal(out, expected_out) and torch.equal(x, expected_x)
+
+
+@given(numel=st.integers(1, 3 * (1 << 16) + 7), target=st.sampled_from(["x", "other", "strided"]),
+       dtype=st.sampled_from([torch.float32, torch.float64]))
+@settings(max_examples=25, deadline=None)
+def test_the_pairwise_average_and_copy_in_one_sweep_is_the_passes_bit_for_bit(numel, target, dtype):
+    """pairwise_average_and_copy_ (blocks of AVERAGE_BLOCK) equals the sum, the halving
+    and the copy as three passes, at every size about the block's, into x itself, another
+    tensor, or a strided one (the passes then)."""
+    g = torch.Generator().manual_seed(numel)
+    x = (torch.randn(numel, generator=g) * torch.logspace(-20, 20, numel)).to(dtype)
+    received = torch.randn(numel, generator=g).to(dtype)
+    expected = pairwise_average_(received.clone(), x.clone())
+    into = {"x": x, "other": torch.empty_like(x),
+            "strided": torch.empty(2 * numel, dtype=dtype)[::2]}[target]
+    out = pairwise_average_and_copy_(received, x, into)
+    assert out.data_ptr() == received.data_ptr() or target == "strided"
+    assert torch.equal(received, expected) and torch.equal(into, expected)
+
+
 def _job_worker(rank, n):
-    """Each time-varying topology's mix_ and mix_into in a gloo job, three exchanges each."""
+    """Each time-varying topology's mix_, mix_into and exchange_into with its finish in a
+    gloo job, three exchanges each."""
     out = {}
     for name, topology in (("shift_one", ShiftOneTopology(n)), ("exp", topologies.OnePeerExponentialTopology(n))):
         gossip = Gossip(topology, [rank], list(range(n)), None)
         x = (torch.randn(33, generator=torch.Generator().manual_seed(rank)) * torch.logspace(-6, 6, 33))
-        start, into, inplace = x.clone(), [], x.clone()
+        start, into, inplace, split = x.clone(), [], x.clone(), x.clone()
         for step in range(3):
             y = torch.full_like(x, float("nan"))
             gossip.mix_into(x, y, step)
             gossip.mix_(inplace, step)
+            gossip.exchange_into(split, torch.full_like(x, float("nan")), step)(split)
             into.append(y)
             x = y
-        out[name] = (start, into, inplace)
+        out[name] = (start, into, inplace, split)
     return out
 
 
@@ -207,6 +256,7 @@ def test_a_job_s_time_varying_exchange_in_place_and_into_gives_the_formula():
             x = torch.stack([(x[i] + x[topology.in_peer(i, step)]) * 0.5 for i in range(n)])
             assert torch.equal(torch.stack([results[r][name][1][step] for r in range(n)]), x)
         assert torch.equal(torch.stack([results[r][name][2] for r in range(n)]), x)
+        assert torch.equal(torch.stack([results[r][name][3] for r in range(n)]), x)
 
 
 def test_one_member_and_bad_shapes():

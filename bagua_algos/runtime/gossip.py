@@ -40,13 +40,38 @@ from .comm.stacked import count_neighbor_exchange
 from .rows import RowGather, engine_cpu_passes, run_calls
 from .topology import NeighbourTable
 
-__all__ = ["Gossip", "StackedMix", "pairwise_average_"]
+__all__ = ["Gossip", "StackedMix", "pairwise_average_", "pairwise_average_and_copy_"]
 
 
 def pairwise_average_(x: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
     """x ← (x + received) / 2 in place: a time-varying topology's exchange (shift_one,
     the one-peer exponential graph). One sum, then an exact halving."""
     return x.add_(received).mul_(0.5)
+
+
+AVERAGE_BLOCK = 1 << 16
+"""Elements a block of :func:`pairwise_average_and_copy_` (256 KiB of fp32: the block of
+each of its three tensors stays in a core's L2 between the three operations)."""
+
+
+def pairwise_average_and_copy_(received: torch.Tensor, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """received ← (received + x) / 2, then target ← received: :func:`pairwise_average_`'s
+    sum and exact halving (received + x is x + received, bit for bit) and a copy, taken
+    block by block so that each block is read from memory once. In fp32 the three
+    passes over a bucket (sum, halving, copy) move 28 bytes an element, one sweep 16;
+    four processes at once on 2 cores, a 21 MB bucket each, took 10.6–11.4 ms a sweep
+    against 13.3–16.8 ms for the passes. ``target`` may be ``x``; a strided tensor, or
+    ``target`` aliasing ``received``, takes the passes."""
+    flat = [t.view(-1) if t.is_contiguous() else None for t in (received, x, target)]
+    if any(f is None for f in flat) or received.data_ptr() == target.data_ptr():
+        pairwise_average_(received, x)
+        return target.copy_(received)
+    r, xs, ts = flat
+    for start in range(0, r.numel(), AVERAGE_BLOCK):
+        block = r[start:start + AVERAGE_BLOCK]
+        block.add_(xs[start:start + AVERAGE_BLOCK]).mul_(0.5)
+        ts[start:start + AVERAGE_BLOCK].copy_(block)
+    return received
 
 
 class Gossip:
@@ -140,6 +165,31 @@ class Gossip:
         into = self._peer([t.in_peer(i, step) for i in self.rows])
         comm.neighbor_exchange([(out, rows)], [(into, received)], group=self.group)
         average()
+
+    def exchange_into(self, x: torch.Tensor, out: torch.Tensor, step: int = 0):
+        """:meth:`mix_into` in two halves, for a caller that writes the result back into
+        x afterwards (Bagua's decentralized op): the exchange now, and ``finish(target)``
+        returned, which leaves ``out`` as :meth:`mix_into` would, bit for bit, and copies
+        it into ``target`` (x's storage, or None for no copy). A time-varying topology
+        receives the peer's x into ``out`` now, and ``finish`` averages and copies in one
+        sweep (:func:`pairwise_average_and_copy_`) once x may be written; until then
+        ``out`` holds the peer's x. Anything else is :meth:`mix_into` now, and ``finish``
+        the copy."""
+        rows, into_rows = self._as_rows(x), self._as_rows(out)
+        if (self.members == 1 or self.topology is None or not self.topology.time_varying
+                or self.accelerator is not None):
+            self.mix_into(x, out, step)
+            return lambda target=None: out if target is None else target.copy_(out)
+        if into_rows.shape != rows.shape:
+            raise ValueError(f"out must be shaped as x, {tuple(x.shape)}; got {tuple(out.shape)}")
+        self._pairwise(rows, into_rows, step, lambda: None)
+
+        def finish(target=None):
+            if target is None:
+                return pairwise_average_(into_rows, rows)
+            return pairwise_average_and_copy_(into_rows, rows, self._as_rows(target))
+
+        return finish
 
     def mix_(self, x: torch.Tensor, step: int = 0) -> None:
         """x ← W_t x in place (``step``: the exchange's index t, for a time-varying

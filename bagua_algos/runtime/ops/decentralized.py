@@ -43,7 +43,11 @@ class DecentralizedSynchronousOp:
 
     4. with ``hierarchical``, the leader's result is broadcast within the node.
 
-    ``copy_back_peer_weight(bucket)`` writes peer_weight into the bucket. On the
+    ``copy_back_peer_weight(bucket)`` writes peer_weight into the bucket. With shift_one
+    (or a time-varying topology) between workers, the op leaves the peer's weights in
+    peer_weight, and copy_back averages them with the bucket's and writes the result
+    into both in one sweep (:meth:`~..gossip.Gossip.exchange_into`): after copy_back
+    peer_weight holds the mixed weights, as Bagua's tests read them. On the
     one-process engine (a stacked group) the gossip itself runs at copy_back, in place
     on every worker's weights (see ``__call__``); there a fixed topology's gossip takes
     the gossip's accelerator (:class:`~..gossip.StackedMix`), the same terms without the
@@ -122,11 +126,14 @@ class DecentralizedSynchronousOp:
         else:
             # Between workers the weights are read where they lie (forward and backward
             # only read them until copy_back): sent from the bucket, the result built in
-            # peer_weight, bit for bit the copy's gossip without the copy.
-            self.gossip.mix_into(weights, x, self.step)
+            # peer_weight, bit for bit the copy's gossip without the copy. A pairwise
+            # average (shift_one) is finished at copy_back, where the weights may be
+            # written: the sum, the halving and the copy back in one sweep.
+            self._finish = self.gossip.exchange_into(weights, x, self.step)
         self._state["decentralized_exchanges"] += 1
 
     _deferred = None  # the engine: the exchange count of the gossip copy_back runs, if one is due
+    _finish = None  # a job: what completes the last exchange (Gossip.exchange_into), due at copy_back
 
     def _intra_if_hierarchical(self):
         return comm.intra_node_group() if self.hierarchical else None
@@ -152,4 +159,13 @@ class DecentralizedSynchronousOp:
                 within_nodes(x, lambda x: self._gossip(x, step), self._intra_if_hierarchical(), self.is_leader)
                 bucket.write_flat(x)
             return
-        bucket.write_flat(effective(self.peer_weight))
+        peer_weight = effective(self.peer_weight)
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            # A flattened bucket's flat view is the weights' storage: written in the same
+            # sweep as peer_weight's result. Otherwise it is a copy: written tensor by tensor.
+            if bucket.flatten:
+                finish(bucket.flat_view().view_as(peer_weight))
+                return
+            finish(None)
+        bucket.write_flat(peer_weight)

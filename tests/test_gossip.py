@@ -275,3 +275,21 @@ def test_one_member_and_bad_shapes():
         Gossip(get_topology("ring", 3), [], [0, 1, 2], world)
     with pytest.raises(ValueError, match=r"table must hold every row of the stacked world in order"):
         StackedMix(NeighbourTable(get_topology("ring", 3), [1, 2]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_pairwise_average_and_copy_is_three_kernels_and_the_same_bits():
+    """Off the CPU the sweep takes the three passes (blocks would be 3 launches each)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(7)
+    x, received = torch.randn(300_000, generator=g), torch.randn(300_000, generator=g)
+    expected = pairwise_average_(received.clone(), x.clone())
+    xc, rc = x.cuda(), received.cuda()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        pairwise_average_and_copy_(rc, xc, xc)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) <= 3
+    assert torch.equal(rc.cpu(), expected) and torch.equal(xc.cpu(), expected)

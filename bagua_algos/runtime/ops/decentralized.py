@@ -128,7 +128,9 @@ class DecentralizedSynchronousOp:
             # only read them until copy_back): sent from the bucket, the result built in
             # peer_weight, bit for bit the copy's gossip without the copy. A pairwise
             # average (shift_one) is finished at copy_back, where the weights may be
-            # written: the sum, the halving and the copy back in one sweep.
+            # written: the sum, the halving and the copy back in one sweep. (None first:
+            # an exchange that fails leaves no earlier exchange's finish behind.)
+            self._finish = None
             self._finish = self.gossip.exchange_into(weights, x, self.step)
         self._state["decentralized_exchanges"] += 1
 

@@ -63,12 +63,12 @@ def pairwise_average_and_copy_(received: torch.Tensor, x: torch.Tensor, target: 
     against 13.3–16.8 ms for the passes. ``target`` may be ``x``; a strided tensor, or
     ``target`` aliasing ``received``, takes the passes, and so does a tensor off the CPU:
     on a GPU the blocks would be 3 kernel launches each (a 21 MB bucket, 243 launches
-    against 3), and its caches are not a CPU core's."""
+    against 3), and its caches are not a CPU core's. Returns ``received``."""
     flat = [t.view(-1) if t.is_contiguous() else None for t in (received, x, target)]
     if (received.device.type != "cpu" or any(f is None for f in flat)
             or received.data_ptr() == target.data_ptr()):
-        pairwise_average_(received, x)
-        return target.copy_(received)
+        target.copy_(pairwise_average_(received, x))
+        return received
     r, xs, ts = flat
     for start in range(0, r.numel(), AVERAGE_BLOCK):
         block = r[start:start + AVERAGE_BLOCK]

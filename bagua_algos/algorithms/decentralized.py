@@ -95,10 +95,6 @@ class DecentralizedAlgorithmImpl(ModelAveragingAlgorithmImpl):
     def init_forward_pre_hook(self, bagua_ddp: BaguaDistributedDataParallel) -> ForwardPreHook:
         def hook(inputs):
             if self._should_communicate(bagua_ddp):
-                # A job's pairwise exchange is posted here, on this thread, every bucket in
-                # order; the op on the communication thread waits for it.
-                for bucket in bagua_ddp.bagua_buckets:
-                    bucket._decentralized_op.post(bucket)
                 for tensor in self.tensors:
                     tensor.bagua_mark_communication_ready()
 

@@ -131,43 +131,11 @@ class DecentralizedSynchronousOp:
             # written: the sum, the halving and the copy back in one sweep. (None first:
             # an exchange that fails leaves no earlier exchange's finish behind.)
             self._finish = None
-            posted, self._posted = self._posted, None
-            if posted is None:
-                self._finish = self.gossip.exchange_into(weights, x, self.step)
-            else:  # posted by post() on the training thread: waited for here
-                if isinstance(posted, BaseException):
-                    raise posted
-                handle, finish = posted
-                handle.wait()
-                self._finish = finish
+            self._finish = self.gossip.exchange_into(weights, x, self.step)
         self._state["decentralized_exchanges"] += 1
-
-    def post(self, bucket) -> None:
-        """Post this execution's exchange now, from the calling thread, where the op (on
-        the communication thread) would post it later: the decentralized algorithm calls
-        it at the forward pre-hook, before the bucket is marked ready, so the transfer
-        starts without waiting for the communication thread to wake (1.2–4.6 ms a step
-        with 4 workers on 2 cores; docs/benchmarks.md, "Against Decent-DP"). Only a job's
-        pairwise exchange (shift_one, a time-varying topology, between workers) of CPU
-        tensors over gloo is posted so; otherwise nothing happens and the op posts as
-        before. Every bucket is posted in order on every rank before any op runs, so the
-        sends and receives to a peer pair up in order. An error is raised by the op, on
-        the communication thread, as the op's own would be."""
-        self._posted = None
-        if (self.local_only or self.stacked or self.hierarchical or self.gossip is None
-                or not self.gossip.exchanges_pairwise):
-            return
-        x = effective(self.peer_weight)
-        if x.device.type != "cpu":
-            return
-        try:
-            self._posted = self.gossip.start_pairwise_into(bucket.flat_view().view_as(x), x, self.step)
-        except Exception as err:  # noqa: BLE001 - raised by the op, where failures are handled
-            self._posted = err
 
     _deferred = None  # the engine: the exchange count of the gossip copy_back runs, if one is due
     _finish = None  # a job: what completes the last exchange (Gossip.exchange_into), due at copy_back
-    _posted = None  # a job: (handle, finish) of an exchange post() started, or its error, for the op
 
     def _intra_if_hierarchical(self):
         return comm.intra_node_group() if self.hierarchical else None

@@ -320,6 +320,18 @@ def _averaging_checks(rank, n):
     resumed.load_bagua_state_dict(checkpoint["bagua"])
     sgd_steps(resumed, resumed_opt, rank, 3)
     out["resume"] = torch.equal(model.x, resumed.x)
+    # Two training-mode forwards before one backward (a loss computed and dropped): two
+    # exchanges a step, on every rank in the same order. (Posting the exchange from the
+    # training thread at the forward pre-hook, tried once, left the second forward's
+    # exchange unmatched here, and the job hung until gloo's timeout.)
+    model, opt = wrapped(DecentralizedAlgorithm(hierarchical=False, peer_selection_mode="shift_one"), lr=0.1,
+                         start=start)
+    for _ in range(2):
+        opt.zero_grad()
+        model(target(rank))  # its loss dropped
+        model(target(rank)).backward()
+        opt.step()
+    out["two_forwards"] = model.x.detach().clone()
     return out
 
 
@@ -368,6 +380,22 @@ def test_dpsgd_applies_the_gradient_at_the_old_weights_to_the_mixed_ones(averagi
 
 def test_shift_one_resumes_with_the_same_peer_schedule(averaging_results):
     assert all(out["resume"] for out in averaging_results)
+
+
+def test_two_training_forwards_before_a_backward_exchange_twice_in_step(averaging_results):
+    """shift_one with a second training-mode forward a step: each forward is an exchange
+    of the same weights (Bagua counts a step per training forward), the second's pairing
+    one further on, and its average is what the copy-back writes before the step (the
+    gradient at the weights both forwards read): no rank waits for an unmatched message."""
+    n = len(averaging_results)
+    x = [torch.arange(DIM, dtype=torch.float32) * (r + 1) for r in range(n)]
+    count = 0
+    for _ in range(2):
+        mixed = [(x[r] + x[shift_one_peer(r, n, count + 1)]) / 2 for r in range(n)]
+        x = [mixed[r] - 0.1 * (x[r] - target(r)) for r in range(n)]
+        count += 2
+    for rank, out in enumerate(averaging_results):
+        assert torch.allclose(out["two_forwards"], x[rank], atol=1e-5), (rank, out["two_forwards"], x[rank])
 
 
 def test_shift_one_pairing_follows_bagua_formula():

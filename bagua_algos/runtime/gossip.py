@@ -178,11 +178,10 @@ class Gossip:
         sweep (:func:`pairwise_average_and_copy_`) once x may be written; until then
         ``out`` holds the peer's x. Anything else is :meth:`mix_into` now, and ``finish``
         the copy."""
-        rows, into_rows = self._as_rows(x), self._as_rows(out)
-        if (self.members == 1 or self.topology is None or not self.topology.time_varying
-                or self.accelerator is not None):
-            self.mix_into(x, out, step)
+        if self.members == 1 or self.topology is None or not self.topology.time_varying:
+            self.mix_into(x, out, step)  # (the accelerator serves fixed topologies only)
             return lambda target=None: out if target is None else target.copy_(out)
+        rows, into_rows = self._as_rows(x), self._as_rows(out)
         if into_rows.shape != rows.shape:
             raise ValueError(f"out must be shaped as x, {tuple(x.shape)}; got {tuple(out.shape)}")
         self._pairwise(rows, into_rows, step, lambda: None)

@@ -147,3 +147,19 @@ def test_the_backward_writes_the_gradients_into_the_engines_matrix(accumulate):
         base = before[:, starts[name]:starts[name] + grad[0].numel()].view_as(grad)
         want = base + grad if accumulate else grad
         assert torch.equal(view, want), name
+
+
+def test_a_step_trains_in_training_mode_whatever_a_submodule_was_set_to():
+    """forward_backward skips module.train() when every submodule is training already:
+    one left in eval mode (here BatchNorm, by the user) is put back, and its running
+    statistics move with the step."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    engine = Engine(net, N, GradientAllReduceAlgorithm(), lambda p: torch.optim.SGD(p, lr=0.1))
+    x, y = torch.randn(N, B, 4), torch.randint(0, 2, (N, B))
+    engine.step(x, y, torch.nn.functional.cross_entropy)
+    engine.model.module[1].eval()
+    before = engine.model.buffers["1.running_mean"].clone()
+    engine.step(x, y, torch.nn.functional.cross_entropy)
+    assert all(m.training for m in engine.model.module.modules())
+    assert not torch.equal(engine.model.buffers["1.running_mean"], before)

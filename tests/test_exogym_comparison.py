@@ -38,11 +38,27 @@ def test_the_engine_side_runs_and_is_measured(tmp_path, capsys):
                                 "--seeds", "0", "--methods", "diloco,demo", "--sync-every", "2",
                                 "--engine-threads", "2", "--out", str(out)]) == 0
     records = json.loads(out.read_text())
-    assert [(r["framework"], r["method"]) for r in records] == [("engine", "diloco"), ("engine", "demo")]
+    # the timed runs, then one memory run per method: only the memory runs are sampled
+    assert [(r["framework"], r["method"], r["purpose"]) for r in records] == [
+        ("engine", "diloco", "time"), ("engine", "demo", "time"), ("engine", "diloco", "memory"),
+        ("engine", "demo", "memory")]
     for r in records:
-        assert r["steps"] == 4 and r["step_s"] > 0 and r["cpu_step_s"] > 0 and r["peak_pss_mib"] > 0
+        assert r["steps"] == 4 and r["step_s"] > 0 and r["cpu_step_s"] > 0
+        assert (r["peak_pss_mib"] > 0) if r["purpose"] == "memory" else (r["peak_pss_mib"] is None)
         assert 0 <= r["accuracy"] <= 1
         assert r["threads"] == 2 and r["exogym_diloco"] == "matched" and r["data_order"] == "exogym"
+    # the same seed trains the same model whether or not it is watched
+    assert records[0]["accuracy"] == records[2]["accuracy"] and records[1]["accuracy"] == records[3]["accuracy"]
+    assert "peak PSS MiB" in capsys.readouterr().out
+
+
+def test_no_memory_runs_only_the_timed_ones(tmp_path):
+    out = tmp_path / "runs.json"
+    assert exogym_compare.main(["--frameworks", "engine", "--nodes", "2", "--steps", "3", "--warmup", "1",
+                                "--seeds", "0,1", "--methods", "diloco", "--sync-every", "2",
+                                "--engine-threads", "1", "--no-memory", "--out", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert [(r["seed"], r["purpose"], r["peak_pss_mib"]) for r in records] == [(0, "time", None), (1, "time", None)]
 
 
 def test_matched_diloco_takes_each_outer_step_on_its_own_pseudo_gradient():

@@ -6,7 +6,7 @@ a gloo group, a barrier after every step). The engine (``bagua_algos.engine``) s
 the n workers in one process. This command trains both on the same task and prints,
 per method: the time of a training step (every node's, after a warm-up; wall clock and
 the CPU time of all its processes, which a loaded machine moves much less), the peak
-memory of the whole process tree (PSS, sampled), the wall time of the run from an
+memory of the whole process tree (PSS, sampled in a run of its own), the wall time of the run from an
 empty Python to the trained model, and the final test accuracy (mean [min, max] over
 the seeds), with the ratios EXO Gym / engine::
 
@@ -48,10 +48,14 @@ the engine's ``[n, *shape]`` views they trained wrongly: the engine now refuses 
 there, and this comparison's figures before that was found are void.)
 
 Every run is a fresh ``python -m bagua_algos.experiments.exogym_compare --one ...``
-child, EXO Gym's and the engine's alike, interleaved per seed, and its process tree's
-memory is sampled every 0.1 s or 20 times a sample's CPU time, whichever is longer
-(reading PSS costs about 55 CPU ms for EXO Gym's nine processes: sampled every 0.1 s,
-a third of a core was taken from the run it measured). Step time: EXO Gym's strategy is subclassed only to
+child, EXO Gym's and the engine's alike, interleaved per seed. The timed runs are not
+watched: memory is measured in one more run per method and side (the first seed's,
+after the timed ones; ``--no-memory`` skips them), whose process tree's PSS is sampled
+every 0.1 s or 20 times a sample's CPU time, whichever is longer. Reading PSS costs
+about 55 CPU ms for EXO Gym's nine processes and 6 ms for the engine's one: sampled
+every 0.1 s, a third of a core was taken from the run it timed; at a twentieth of a
+core it still slowed the engine's two spinning threads by about 8 % (2.76 against 2.55
+ms a step, alternated). Step time: EXO Gym's strategy is subclassed only to
 note the time on rank 0 after each step (its loop is unchanged: the step ends with its
 barrier), the engine's steps are timed in the same way; both over the steps after the
 first ``--warmup``. Threads: one torch thread per EXO Gym process (its 8 processes can
@@ -131,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads of the engine's process (default: the cores this process may use, which EXO "
                         "Gym's nodes share, one thread each; 1 on a loaded machine)")
     p.add_argument("--sparta-fraction", type=float, default=0.005, help="SPARTA's share (EXO Gym's default)")
+    p.add_argument("--no-memory", action="store_true",
+                   help="skip the memory runs (one per method and side, sampled; the timed runs never are)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a run may take")
     p.add_argument("--out", default=None, help="write every run's record here (JSON)")
     p.add_argument("--one", nargs=3, metavar=("FRAMEWORK", "METHOD", "SEED"), help=argparse.SUPPRESS)
@@ -342,10 +348,17 @@ def run_engine(args, method: str, seed: int) -> dict:
             batches = exogym_batches(len(data.train_y), args.nodes, args.batch)
         else:
             batches = rt.iid_batches(len(data.train_y), args.nodes, args.batch, epoch, seed, "cpu")
-        for index in batches:  # [n, b] sample indices: gathered as one index_select
-            rows = index.flatten()
-            engine.step(train_x.index_select(0, rows).view(*index.shape, *train_x.shape[1:]),
-                        train_y.index_select(0, rows).view(index.shape), loss_fn)
+        # The epoch's samples gathered in batch order by one index_select each (timed, in
+        # its first step); a step's batch is then a view of consecutive rows: [n, b, ...].
+        batches = list(batches)
+        rows = torch.cat([index.flatten() for index in batches])
+        epoch_x, epoch_y = train_x.index_select(0, rows), train_y.index_select(0, rows)
+        start = 0
+        for index in batches:
+            end = start + index.numel()
+            engine.step(epoch_x[start:end].view(*index.shape, *train_x.shape[1:]),
+                        epoch_y[start:end].view(index.shape), loss_fn)
+            start = end
             times.append((time.perf_counter(), time.process_time()))
             if len(times) == args.steps:
                 break
@@ -418,8 +431,10 @@ def _tree_pss_kib(root: int) -> int:
     return total
 
 
-def _run_child(args, framework: str, method: str, seed: int, argv: list) -> dict:
-    """One run in a fresh child, its process tree's PSS sampled; its record."""
+def _run_child(args, framework: str, method: str, seed: int, argv: list, sample_memory: bool = False) -> dict:
+    """One run in a fresh child; its record. With ``sample_memory`` its process tree's
+    PSS is sampled (``peak_pss_mib``), which perturbs its timing: a timed run is not
+    sampled (``peak_pss_mib`` None)."""
     result = Path(tempfile.mkdtemp(prefix="exogym_compare_")) / "run.json"
     threads = args.engine_threads if framework == "engine" else 1
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -437,7 +452,8 @@ def _run_child(args, framework: str, method: str, seed: int, argv: list) -> dict
             stop.wait(_sample_wait(time.thread_time() - started_sample))
 
     sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    if sample_memory:
+        sampler.start()
     try:
         _, err = child.communicate(timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -445,12 +461,14 @@ def _run_child(args, framework: str, method: str, seed: int, argv: list) -> dict
         child.communicate()
         err = f"stopped after {args.timeout:.0f} s"
     stop.set()
-    sampler.join()
+    if sample_memory:
+        sampler.join()
     wall = time.perf_counter() - started
     if child.returncode != 0 or not result.is_file():
         return {"framework": framework, "method": method, "seed": seed, "error": (err or "")[-2000:]}
     record = json.loads(result.read_text())
-    record.update({"peak_pss_mib": peak[0] / 1024, "wall_s": wall})
+    record.update({"peak_pss_mib": peak[0] / 1024 if sample_memory else None, "wall_s": wall,
+                   "purpose": "memory" if sample_memory else "time"})
     return record
 
 
@@ -464,17 +482,24 @@ def _spread(values) -> str:
     return f"{statistics.mean(values):.4g} [{min(values):.4g}, {max(values):.4g}]"
 
 
+def _ok(records: list, method: str, framework: str, purpose: str) -> list:
+    """The records of ``method`` on ``framework`` that ran, of one purpose (time, memory)."""
+    return [r for r in records if r["method"] == method and r["framework"] == framework
+            and r.get("purpose") == purpose and "error" not in r]
+
+
 def report(records: list, methods: list) -> None:
     print()
     head = ["method", "framework", "step ms", "CPU ms a step", "peak PSS MiB", "wall s", "test acc %"]
     rows = []
     for method in methods:
         for framework in FRAMEWORKS:
-            mine = [r for r in records if r["method"] == method and r["framework"] == framework and "error" not in r]
+            mine = _ok(records, method, framework, "time")
             if not mine:
                 continue
             rows.append([method, framework, _spread([1000 * r["step_s"] for r in mine]),
-                         _spread([1000 * r["cpu_step_s"] for r in mine]), _spread([r["peak_pss_mib"] for r in mine]),
+                         _spread([1000 * r["cpu_step_s"] for r in mine]),
+                         _spread([r["peak_pss_mib"] for r in _ok(records, method, framework, "memory")]),
                          _spread([r["wall_s"] for r in mine]),
                          _spread([100 * r["accuracy"] for r in mine])])
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
@@ -483,20 +508,20 @@ def report(records: list, methods: list) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
     print()
     for method in methods:
-        by = {f: [r for r in records if r["method"] == method and r["framework"] == f and "error" not in r]
-              for f in FRAMEWORKS}
+        by = {f: _ok(records, method, f, "time") for f in FRAMEWORKS}
+        peaks = {f: [r["peak_pss_mib"] for r in _ok(records, method, f, "memory")] for f in FRAMEWORKS}
         if not (by["exogym"] and by["engine"]):
             continue
         ratio = [e["step_s"] / g["step_s"] for e in by["exogym"] for g in by["engine"] if e["seed"] == g["seed"]]
         cpu = [e["cpu_step_s"] / g["cpu_step_s"] for e in by["exogym"] for g in by["engine"] if e["seed"] == g["seed"]]
-        memory = statistics.mean(r["peak_pss_mib"] for r in by["exogym"]) / statistics.mean(
-            r["peak_pss_mib"] for r in by["engine"])
+        memory = (f"{statistics.mean(peaks['exogym']) / statistics.mean(peaks['engine']):.2f}x"
+                  if peaks["exogym"] and peaks["engine"] else "not measured")
         wall = statistics.mean(r["wall_s"] for r in by["exogym"]) / statistics.mean(r["wall_s"] for r in by["engine"])
         exo = [r["accuracy"] for r in by["exogym"]]
         eng = [r["accuracy"] for r in by["engine"]]
         overlap = max(min(exo), min(eng)) <= min(max(exo), max(eng))
         print(f"{method}: step time EXO Gym / engine {_spread(ratio)} (per seed), CPU time a step {_spread(cpu)}; "
-              f"peak memory {memory:.2f}x; "
+              f"peak memory {memory}; "
               f"wall {wall:.2f}x; accuracy {100 * statistics.mean(exo):.1f}% against {100 * statistics.mean(eng):.1f}%"
               f" ({'ranges over seeds overlap' if overlap else 'ranges over seeds do not overlap'})")
     for r in records:
@@ -521,20 +546,24 @@ def main(argv=None) -> int:
           f"engine threads {args.engine_threads}; "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}, "
           f"{platform.platform()}", flush=True)
+    runs = [(seed, method, framework, False) for seed in args.seed_list for method in args.method_list
+            for framework in (args.framework_list if seed % 2 == 0 else args.framework_list[::-1])]
+    if not args.no_memory:  # memory: one sampled run per method and side, after the timed ones
+        runs += [(args.seed_list[0], method, framework, True)
+                 for method in args.method_list for framework in args.framework_list]
     records = []
-    for seed in args.seed_list:
-        for method in args.method_list:
-            order = args.framework_list if seed % 2 == 0 else args.framework_list[::-1]
-            for framework in order:
-                record = _run_child(args, framework, method, seed, argv)  # (a child ignores --out)
-                records.append(record)
-                if "error" in record:
-                    print(f"  {framework} {method} seed {seed}: failed", flush=True)
-                else:
-                    print(f"  {framework} {method} seed {seed}: {1000 * record['step_s']:.1f} ms/step "
-                          f"({1000 * record['cpu_step_s']:.1f} CPU ms), peak "
-                          f"{record['peak_pss_mib']:.0f} MiB, wall {record['wall_s']:.1f} s, test acc "
-                          f"{100 * record['accuracy']:.1f}% (load {os.getloadavg()[0]:.1f})", flush=True)
+    for seed, method, framework, sample_memory in runs:
+        record = _run_child(args, framework, method, seed, argv, sample_memory)  # (a child ignores --out)
+        record.setdefault("purpose", "memory" if sample_memory else "time")
+        records.append(record)
+        what = f"  {framework} {method} seed {seed}{' (memory)' if sample_memory else ''}"
+        if "error" in record:
+            print(f"{what}: failed", flush=True)
+        else:
+            peak = f", peak {record['peak_pss_mib']:.0f} MiB" if sample_memory else ""
+            print(f"{what}: {1000 * record['step_s']:.1f} ms/step ({1000 * record['cpu_step_s']:.1f} CPU ms){peak}, "
+                  f"wall {record['wall_s']:.1f} s, test acc {100 * record['accuracy']:.1f}% "
+                  f"(load {os.getloadavg()[0]:.1f})", flush=True)
     report(records, args.method_list)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

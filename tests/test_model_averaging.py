@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -321,8 +322,8 @@ def _averaging_checks(rank, n):
     sgd_steps(resumed, resumed_opt, rank, 3)
     out["resume"] = torch.equal(model.x, resumed.x)
     # Two training-mode forwards before one backward (a loss computed and dropped): two
-    # exchanges a step, on every rank in the same order. (Posting the exchange from the
-    # training thread at the forward pre-hook, tried once, left the second forward's
+    # exchanges a step, on every rank in the same order. (A first form of posting the
+    # exchange from the training thread, one slot per op, left the second forward's
     # exchange unmatched here, and the job hung until gloo's timeout.)
     model, opt = wrapped(DecentralizedAlgorithm(hierarchical=False, peer_selection_mode="shift_one"), lr=0.1,
                          start=start)
@@ -332,6 +333,60 @@ def _averaging_checks(rank, n):
         model(target(rank)).backward()
         opt.step()
     out["two_forwards"] = model.x.detach().clone()
+    out.update(_posting_checks(rank, start))
+    return out
+
+
+def _posting_checks(rank, start):
+    """Where a job's shift_one exchange is posted: the thread of every exchange, with
+    one training forward a step, and with two whose first exchange is slow to finish;
+    and what an error in posting does."""
+    import threading
+
+    from bagua_algos.runtime.gossip import Gossip
+
+    out, threads, original = {}, [], Gossip.start_exchange_into
+    slow_first = [False]
+
+    def recorded(self, *args, **kwargs):
+        threads.append("training" if threading.current_thread() is threading.main_thread() else "communication")
+        handle, finish = original(self, *args, **kwargs)
+        if slow_first[0]:  # the first exchange of the step still in flight at the second forward
+            slow_first[0] = False
+            wait = handle.wait
+            handle.wait = lambda: (time.sleep(0.5), wait())[1]
+        return handle, finish
+
+    Gossip.start_exchange_into = recorded
+    try:
+        model, opt = wrapped(DecentralizedAlgorithm(hierarchical=False, peer_selection_mode="shift_one"), lr=0.0,
+                             start=start)
+        sgd_steps(model, opt, rank, 2)
+        out["posted_threads"], threads[:] = list(threads), []
+        out["posted_result"] = model.x.detach().clone()
+        model, opt = wrapped(DecentralizedAlgorithm(hierarchical=False, peer_selection_mode="shift_one"), lr=0.1,
+                             start=start)
+        for _ in range(2):
+            slow_first[0] = True
+            opt.zero_grad()
+            model(target(rank))
+            model(target(rank)).backward()
+            opt.step()
+        out["two_forwards_threads"] = list(threads)
+        out["two_forwards_slow"] = model.x.detach().clone()
+
+        def failing(self, *args, **kwargs):
+            raise RuntimeError("posting failed on purpose")
+
+        Gossip.start_exchange_into = failing
+        model, opt = wrapped(DecentralizedAlgorithm(hierarchical=False, peer_selection_mode="shift_one"), lr=0.0)
+        try:
+            sgd_steps(model, opt, rank, 1)
+            out["posting_error"] = None
+        except Exception as err:  # noqa: BLE001 - the test reads what was raised
+            out["posting_error"] = f"{type(err).__name__}: {err}"
+    finally:
+        Gossip.start_exchange_into = original
     return out
 
 
@@ -396,6 +451,30 @@ def test_two_training_forwards_before_a_backward_exchange_twice_in_step(averagin
         count += 2
     for rank, out in enumerate(averaging_results):
         assert torch.allclose(out["two_forwards"], x[rank], atol=1e-5), (rank, out["two_forwards"], x[rank])
+
+
+def test_a_job_posts_shift_one_s_exchange_from_the_training_thread(averaging_results):
+    """One training forward a step: the exchange is posted at the forward pre-hook, on
+    the training thread, and the weights are those of the op's own exchange."""
+    for out in averaging_results:
+        assert out["posted_threads"] == ["training", "training"]
+        assert torch.equal(out["posted_result"], out["shift_one"][-1])
+
+
+def test_a_second_forward_while_the_first_exchange_runs_exchanges_on_the_communication_thread(
+        averaging_results):
+    """With the first exchange of a step still in flight at the second training forward,
+    the second is not posted over it (it would receive into the same buffer): the op
+    exchanges itself after the first, so every rank's exchanges keep their order and
+    the result is the two-forward formula's."""
+    for out in averaging_results:
+        assert out["two_forwards_threads"] == ["training", "communication"] * 2
+        torch.testing.assert_close(out["two_forwards_slow"], out["two_forwards"], rtol=0, atol=0)
+
+
+def test_an_error_in_posting_is_raised_by_the_step(averaging_results):
+    for out in averaging_results:
+        assert out["posting_error"] is not None and "posting failed on purpose" in out["posting_error"]
 
 
 def test_shift_one_pairing_follows_bagua_formula():

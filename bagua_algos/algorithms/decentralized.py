@@ -95,6 +95,10 @@ class DecentralizedAlgorithmImpl(ModelAveragingAlgorithmImpl):
     def init_forward_pre_hook(self, bagua_ddp: BaguaDistributedDataParallel) -> ForwardPreHook:
         def hook(inputs):
             if self._should_communicate(bagua_ddp):
+                # the op's execution announced first: a job's pairwise exchange is posted
+                # from here (DecentralizedSynchronousOp.post)
+                for bucket in bagua_ddp.bagua_buckets:
+                    bucket._decentralized_op.post(bucket)
                 for tensor in self.tensors:
                     tensor.bagua_mark_communication_ready()
 

@@ -163,11 +163,22 @@ class Gossip:
         in-peer's into ``received``), then ``average()``. (Sending in pieces, each
         averaged while the later ones travel, was measured slower where the exchange is
         CPU: docs/benchmarks.md, "Against Decent-DP".)"""
-        t = self.topology
-        out = self._peer([t.out_peer(i, step) for i in self.rows])
-        into = self._peer([t.in_peer(i, step) for i in self.rows])
+        out, into = self._pair(step)
         comm.neighbor_exchange([(out, rows)], [(into, received)], group=self.group)
         average()
+
+    def _pair(self, step: int):
+        """A time-varying topology's peers at exchange ``step``: (out-peers, in-peers),
+        one of each per row, as ``comm`` takes a peer."""
+        t = self.topology
+        return (self._peer([t.out_peer(i, step) for i in self.rows]),
+                self._peer([t.in_peer(i, step) for i in self.rows]))
+
+    @property
+    def exchanges_pairwise(self) -> bool:
+        """Whether an exchange is a time-varying topology's one send and one receive a
+        row (what :meth:`start_exchange_into` posts)."""
+        return self.members > 1 and self.topology is not None and self.topology.time_varying
 
     def exchange_into(self, x: torch.Tensor, out: torch.Tensor, step: int = 0):
         """:meth:`mix_into` in two halves, for a caller that writes the result back into
@@ -178,20 +189,33 @@ class Gossip:
         sweep (:func:`pairwise_average_and_copy_`) once x may be written; until then
         ``out`` holds the peer's x. Anything else is :meth:`mix_into` now, and ``finish``
         the copy."""
-        if self.members == 1 or self.topology is None or not self.topology.time_varying:
+        if not self.exchanges_pairwise:
             self.mix_into(x, out, step)  # (the accelerator serves fixed topologies only)
             return lambda target=None: out if target is None else target.copy_(out)
+        handle, finish = self.start_exchange_into(x, out, step)
+        handle.wait()
+        return finish
+
+    def start_exchange_into(self, x: torch.Tensor, out: torch.Tensor, step: int = 0):
+        """A time-varying topology's :meth:`exchange_into` posted and not waited for:
+        ``(handle, finish)``. After ``handle.wait()`` ``out`` holds the peer's x and
+        ``finish`` is :meth:`exchange_into`'s; x must not be written, nor ``out`` read,
+        before the wait."""
+        if not self.exchanges_pairwise:
+            raise ValueError("start_exchange_into posts a time-varying topology's exchange between two or more "
+                             "members; call exchange_into for any other gossip")
         rows, into_rows = self._as_rows(x), self._as_rows(out)
         if into_rows.shape != rows.shape:
             raise ValueError(f"out must be shaped as x, {tuple(x.shape)}; got {tuple(out.shape)}")
-        self._pairwise(rows, into_rows, step, lambda: None)
+        out_peer, in_peer = self._pair(step)
+        handle = comm.start_neighbor_exchange([(out_peer, rows)], [(in_peer, into_rows)], group=self.group)
 
         def finish(target=None):
             if target is None:
                 return pairwise_average_(into_rows, rows)
             return pairwise_average_and_copy_(into_rows, rows, self._as_rows(target))
 
-        return finish
+        return handle, finish
 
     def mix_(self, x: torch.Tensor, step: int = 0) -> None:
         """x ← W_t x in place (``step``: the exchange's index t, for a time-varying

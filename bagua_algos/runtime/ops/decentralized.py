@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import threading
+from collections import deque
+
 import torch
 
 from topologies import ShiftOneTopology, shift_one_peer
@@ -105,8 +108,51 @@ class DecentralizedSynchronousOp:
             rows = list(range(members)) if self.stacked else [self.my_index]
             exchange_group = comm.inter_node_group() if self.hierarchical and topology is None else group
             self.gossip = Gossip(topology, rows, self.peer_ranks, exchange_group)
+        # post(): a job's pairwise exchange of CPU weights between workers may be posted
+        # by the training thread. _posted holds, per execution announced by post() and
+        # not yet run, its (handle, finish), its posting error, or None (the op
+        # exchanges itself); _exchanging is set while an execution runs. Both under
+        # _post_lock, so an exchange is posted only while none is queued or in flight.
+        self.postable = (self.gossip is not None and not self.stacked and not self.hierarchical
+                         and self.gossip.exchanges_pairwise and effective(peer_weight).device.type == "cpu")
+        self._posted: deque = deque()
+        self._exchanging = False
+        self._post_lock = threading.Lock()
+
+    def post(self, bucket) -> None:
+        """Announce the op's next execution; its caller marks the bucket ready next.
+
+        Called by the decentralized algorithm's forward pre-hook, on the training
+        thread. Where the op is :attr:`postable` and no execution is queued or running,
+        the exchange is posted now (:meth:`~..gossip.Gossip.start_exchange_into`), so the
+        transfer starts without waiting for the communication thread to wake and take
+        the GIL (1.2–4.6 ms a step with 4 workers on 2 cores; docs/benchmarks.md,
+        "Against Decent-DP"); the execution then only waits for it. Otherwise (a second
+        training forward in a step while the first's exchange runs, say) the execution
+        exchanges as before. Either way each rank's exchanges run one after another in
+        the order of the schedule, so the peers' messages pair up. A posting error is
+        raised by the execution, on the communication thread, as its own would be."""
+        with self._post_lock:
+            entry = None
+            if self.postable and not self._posted and not self._exchanging:
+                x = effective(self.peer_weight)
+                try:
+                    entry = self.gossip.start_exchange_into(bucket.flat_view().view_as(x), x, self.step)
+                except Exception as err:  # noqa: BLE001 - raised by the execution, where failures are handled
+                    entry = err
+            self._posted.append(entry)
 
     def __call__(self, bucket) -> None:
+        with self._post_lock:
+            posted = self._posted.popleft() if self._posted else None
+            self._exchanging = True
+        try:
+            self._execute(bucket, posted)
+        finally:
+            with self._post_lock:
+                self._exchanging = False
+
+    def _execute(self, bucket, posted) -> None:
         if self.local_only:
             self._state["decentralized_exchanges"] += 1
             return
@@ -131,7 +177,14 @@ class DecentralizedSynchronousOp:
             # written: the sum, the halving and the copy back in one sweep. (None first:
             # an exchange that fails leaves no earlier exchange's finish behind.)
             self._finish = None
-            self._finish = self.gossip.exchange_into(weights, x, self.step)
+            if posted is None:
+                self._finish = self.gossip.exchange_into(weights, x, self.step)
+            elif isinstance(posted, BaseException):
+                raise posted
+            else:  # posted by post() on the training thread
+                handle, finish = posted
+                handle.wait()
+                self._finish = finish
         self._state["decentralized_exchanges"] += 1
 
     _deferred = None  # the engine: the exchange count of the gossip copy_back runs, if one is due

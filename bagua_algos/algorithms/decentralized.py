@@ -96,9 +96,12 @@ class DecentralizedAlgorithmImpl(ModelAveragingAlgorithmImpl):
         def hook(inputs):
             if self._should_communicate(bagua_ddp):
                 # the op's execution announced first: a job's pairwise exchange is posted
-                # from here (DecentralizedSynchronousOp.post)
+                # from here (DecentralizedSynchronousOp.post); a subclass whose
+                # init_operations appends no such op has nothing to announce
                 for bucket in bagua_ddp.bagua_buckets:
-                    bucket._decentralized_op.post(bucket)
+                    op = getattr(bucket, "_decentralized_op", None)
+                    if op is not None:
+                        op.post(bucket)
                 for tensor in self.tensors:
                     tensor.bagua_mark_communication_ready()
 

@@ -350,6 +350,9 @@ def run_engine(args, method: str, seed: int) -> dict:
             batches = rt.iid_batches(len(data.train_y), args.nodes, args.batch, epoch, seed, "cpu")
         # The epoch's samples gathered in batch order by one index_select each (timed, in
         # its first step); a step's batch is then a view of consecutive rows: [n, b, ...].
+        # (Freeing this 12.5 MB block each epoch also raises glibc's mmap threshold above
+        # DeMo's per-step temporaries, which moves DeMo's engine step from about 17 to
+        # 11 ms; DiLoCo's does not move: docs/benchmarks.md, "Against EXO Gym", run F.)
         batches = list(batches)
         rows = torch.cat([index.flatten() for index in batches])
         epoch_x, epoch_y = train_x.index_select(0, rows), train_y.index_select(0, rows)

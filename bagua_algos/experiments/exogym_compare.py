@@ -468,7 +468,8 @@ def _run_child(args, framework: str, method: str, seed: int, argv: list, sample_
         sampler.join()
     wall = time.perf_counter() - started
     if child.returncode != 0 or not result.is_file():
-        return {"framework": framework, "method": method, "seed": seed, "error": (err or "")[-2000:]}
+        return {"framework": framework, "method": method, "seed": seed, "error": (err or "")[-2000:],
+                "purpose": "memory" if sample_memory else "time"}
     record = json.loads(result.read_text())
     record.update({"peak_pss_mib": peak[0] / 1024 if sample_memory else None, "wall_s": wall,
                    "purpose": "memory" if sample_memory else "time"})
@@ -557,7 +558,6 @@ def main(argv=None) -> int:
     records = []
     for seed, method, framework, sample_memory in runs:
         record = _run_child(args, framework, method, seed, argv, sample_memory)  # (a child ignores --out)
-        record.setdefault("purpose", "memory" if sample_memory else "time")
         records.append(record)
         what = f"  {framework} {method} seed {seed}{' (memory)' if sample_memory else ''}"
         if "error" in record:

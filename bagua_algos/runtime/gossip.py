@@ -158,21 +158,15 @@ class Gossip:
             self._received = {key: torch.zeros(x.shape[0], self.slots, x.shape[1], dtype=x.dtype, device=x.device)}
         return self._received[key]
 
-    def _pairwise(self, rows: torch.Tensor, received: torch.Tensor, step: int, average) -> None:
-        """A time-varying topology's exchange at ``step`` (each row to its out-peer, its
-        in-peer's into ``received``), then ``average()``. (Sending in pieces, each
+    def _pairwise(self, rows: torch.Tensor, received: torch.Tensor, step: int):
+        """A time-varying topology's exchange at ``step`` posted (each row to its
+        out-peer, its in-peer's into ``received``); its handle. (Sending in pieces, each
         averaged while the later ones travel, was measured slower where the exchange is
         CPU: docs/benchmarks.md, "Against Decent-DP".)"""
-        out, into = self._pair(step)
-        comm.neighbor_exchange([(out, rows)], [(into, received)], group=self.group)
-        average()
-
-    def _pair(self, step: int):
-        """A time-varying topology's peers at exchange ``step``: (out-peers, in-peers),
-        one of each per row, as ``comm`` takes a peer."""
         t = self.topology
-        return (self._peer([t.out_peer(i, step) for i in self.rows]),
-                self._peer([t.in_peer(i, step) for i in self.rows]))
+        out = self._peer([t.out_peer(i, step) for i in self.rows])
+        into = self._peer([t.in_peer(i, step) for i in self.rows])
+        return comm.start_neighbor_exchange([(out, rows)], [(into, received)], group=self.group)
 
     @property
     def exchanges_pairwise(self) -> bool:
@@ -207,8 +201,7 @@ class Gossip:
         rows, into_rows = self._as_rows(x), self._as_rows(out)
         if into_rows.shape != rows.shape:
             raise ValueError(f"out must be shaped as x, {tuple(x.shape)}; got {tuple(out.shape)}")
-        out_peer, in_peer = self._pair(step)
-        handle = comm.start_neighbor_exchange([(out_peer, rows)], [(in_peer, into_rows)], group=self.group)
+        handle = self._pairwise(rows, into_rows, step)
 
         def finish(target=None):
             if target is None:
@@ -228,7 +221,8 @@ class Gossip:
             return
         if self.topology.time_varying:
             received = self._buffer(rows)[:, 0]
-            self._pairwise(rows, received, step, lambda: pairwise_average_(rows, received))
+            self._pairwise(rows, received, step).wait()
+            pairwise_average_(rows, received)
             return
         if self.accelerator is not None:
             count_neighbor_exchange(self.group, [(peer, rows) for peer in self._peers])
@@ -263,7 +257,8 @@ class Gossip:
             self.mix_(out, step)
             return out
         if self.topology.time_varying:
-            self._pairwise(rows, into_rows, step, lambda: pairwise_average_(into_rows, rows))
+            self._pairwise(rows, into_rows, step).wait()
+            pairwise_average_(into_rows, rows)
             return out
         self._fixed(rows, into_rows)
         return out

@@ -1,15 +1,16 @@
 """Communication topologies for decentralized training (pure Python)."""
 
 from .base import Topology
-from .gossip import (ExponentialTopology, FullyConnectedTopology, OnePeerExponentialTopology, RingTopology,
-                     ShiftOneTopology, shift_one_peer)
-from .registry import available_topologies, get_topology
+from .registry import available_topologies, get_topology, register_topology
+# the trees first: they register in import order, and the tree families are listed first
 from .trees import (
     BinaryTreeTopology,
     ChainTopology,
     DoubleBinaryTreeTopology,
     MirroredTopology,
 )
+from .gossip import (ExponentialTopology, FullyConnectedTopology, OnePeerExponentialTopology, RingTopology,  # noqa: E402
+                     ShiftOneTopology, shift_one_peer)
 
 __all__ = [
     "Topology",
@@ -25,4 +26,5 @@ __all__ = [
     "shift_one_peer",
     "available_topologies",
     "get_topology",
+    "register_topology",
 ]

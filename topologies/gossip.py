@@ -2,8 +2,10 @@
 two time-varying pairings: the one-peer exponential graph and Bagua's shift_one."""
 
 from .base import Topology
+from .registry import register_topology
 
 
+@register_topology
 class RingTopology(Topology):
     """Cycle: rank ``r`` neighbours ``(r - 1) mod n`` and ``(r + 1) mod n``.
 
@@ -17,6 +19,7 @@ class RingTopology(Topology):
         return [(rank - 1) % n, (rank + 1) % n]
 
 
+@register_topology
 class FullyConnectedTopology(Topology):
     """Complete graph: every rank neighbours every other rank."""
 
@@ -26,6 +29,7 @@ class FullyConnectedTopology(Topology):
         return [peer for peer in range(self.world_size) if peer != rank]
 
 
+@register_topology
 class ExponentialTopology(Topology):
     """Rank ``r`` neighbours ``(r +- 2^k) mod n`` for ``k = 0, 1, ...`` while ``2^k < n``.
 
@@ -46,6 +50,7 @@ class ExponentialTopology(Topology):
         return peers
 
 
+@register_topology
 class OnePeerExponentialTopology(ExponentialTopology):
     """The time-varying exponential graph of Stochastic Gradient Push (Assran et al.
     2019): at exchange ``t`` (counted from 0) rank ``r`` sends to ``(r + 2^k) mod n`` and

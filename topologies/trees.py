@@ -1,8 +1,10 @@
 """Tree topologies: chain, binary tree, double binary tree."""
 
 from .base import Topology
+from .registry import register_topology
 
 
+@register_topology(tree=True)
 class ChainTopology(Topology):
     """Path graph ``0 - 1 - ... - (n-1)``: rank ``r`` neighbours ``r-1`` and ``r+1`` where they exist (left first)."""
 
@@ -12,6 +14,7 @@ class ChainTopology(Topology):
         return [peer for peer in (rank - 1, rank + 1) if 0 <= peer < self.world_size]
 
 
+@register_topology(tree=True)
 class BinaryTreeTopology(Topology):
     """0-based binary tree as in the RelaySum code.
 
@@ -53,6 +56,7 @@ class MirroredTopology(Topology):
         return f"MirroredTopology({self.base!r})"
 
 
+@register_topology(tree=True)
 class DoubleBinaryTreeTopology(Topology):
     """Two spanning trees: A = ``BinaryTreeTopology(n)``, B = A mirrored by ``r -> n-1-r``.
 

@@ -48,7 +48,7 @@ def test_resume_loads_the_newest_checkpoint_and_starts_fresh_without_one(tmp_pat
     _saved(tmp_path)
     iteration, model, messages = _resume(tmp_path)
     assert iteration == 2 and messages == []
-    assert torch.equal(model.weight, torch.load(_file(tmp_path, 2), weights_only=False)["model"]["weight"])
+    assert torch.equal(model.weight, torch.load(_file(tmp_path, 2), weights_only=True)["model"]["weight"])
     assert sorted(os.listdir(tmp_path / "iter_0000002")) == [
         "bagua_rank_00000_states.pt", "bagua_rank_00000_states.pt.sha256",
         "mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt.sha256"]
@@ -67,7 +67,7 @@ def test_an_invalid_newest_file_falls_back_with_one_warning_naming_it(tmp_path, 
         os.remove(path + ".sha256")
     iteration, model, messages = _resume(tmp_path)
     assert iteration == 1
-    assert torch.equal(model.weight, torch.load(_file(tmp_path, 1), weights_only=False)["model"]["weight"])
+    assert torch.equal(model.weight, torch.load(_file(tmp_path, 1), weights_only=True)["model"]["weight"])
     assert len(messages) == 1 and path in messages[0] and "resuming from iteration 1" in messages[0]
     with pytest.raises(CheckpointError, match="bagua_rank_00000_states.pt is invalid"):
         load_checkpoint(str(tmp_path), _model(0))

@@ -64,6 +64,14 @@ def run_launcher(args, env=None, timeout=TIMEOUT):
     (["--run_path", "-m", "t"], "--run_path", "not allowed with -m/--module"),
     (["--logdir", "a", "--log_dir", "b", "t.py"], "--logdir", "not allowed with argument --log_dir"),
     (["--default_bucket_size", "0", "t.py"], "--default_bucket_size", "positive number of bytes"),
+    # --torchft: a quorum of at least one replica, at most the replicas launched; one lighthouse
+    (["--torchft", "--min_replicas", "0", "t.py"], "--min_replicas", "must be in [1, 1] (nnodes x nproc_per_node"),
+    (["--torchft", "--min_replicas", "-1", "t.py"], "--min_replicas", "got -1"),
+    (["--torchft", "--min_replicas", "3", "--nproc_per_node", "2", "t.py"], "--min_replicas",
+     "must be in [1, 2] (nnodes x nproc_per_node = 1 x 2), got 3"),
+    (["--torchft", "--nnodes", "2", "--lighthouse", "http://h:1", "--min_replicas", "5", "--nproc_per_node", "2",
+      "t.py"], "--min_replicas", "[1, 4]"),
+    (["--torchft", "--nnodes", "2", "t.py"], "--lighthouse", "needs one lighthouse for all of them"),
 ])
 def test_bad_flags_are_argparse_errors(argv, flag, detail, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -1,4 +1,4 @@
-"""Fault tolerance at the step on torchft (issue 44), by injected faults, CPU and gloo.
+"""Fault tolerance at the step on torchft, by injected faults, CPU and gloo.
 
 Three replicas under ``python -m bagua_algos.launch --torchft``: one SIGKILLed (or
 SIGSTOPped) at a chosen step; the others go on; every committed step is committed
@@ -225,7 +225,7 @@ def test_unsupported_algorithms_are_refused_by_name():
             check_supported(config.build(own), [own], None)
 
 
-# --- every algorithm family under a kill and a return (issue 44) ---------------------------
+# --- every algorithm family under a kill and a return ------------------------------------
 
 def _survivors_went_on(log_dir, phase, phase_steps, world):
     """Whether replica r0 committed a step of ``phase`` without the victim."""
@@ -244,15 +244,19 @@ def run_phases(log_dir, labels, phase_steps=10, kill_at=2, world=3, min_replicas
 
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=2000,
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=2000,
                                   heartbeat_timeout_ms=2000)
+    address = f"http://127.0.0.1:{lighthouse.address().rstrip('/').rpartition(':')[2]}"
     victim = f"r{world - 1}"
     procs = []
 
     def start(replica, start_phase=0, wait_file=""):
         env = _env()
-        env.update(BAGUA_ALGOS_FAULT_TOLERANCE="torchft", TORCHFT_LIGHTHOUSE=lighthouse.address(),
-                   BAGUA_ALGOS_MIN_REPLICAS=str(min_replicas), BAGUA_ALGOS_REPLICA_ID=replica)
+        # the job's replicas, and a secret that signs the healing state (as the launcher sets them)
+        env.update(BAGUA_ALGOS_FAULT_TOLERANCE="torchft", TORCHFT_LIGHTHOUSE=address,
+                   BAGUA_ALGOS_MIN_REPLICAS=str(min_replicas), BAGUA_ALGOS_REPLICA_ID=replica,
+                   BAGUA_ALGOS_JOB_REPLICAS=",".join(f"r{i}" for i in range(world)),
+                   BAGUA_ALGOS_JOB_SECRET="phases-test-secret")
         cmd = [sys.executable, "-u", str(PHASES_WORKER), "--labels", ",".join(labels), "--phase_steps",
                str(phase_steps), "--kill_at", str(kill_at), "--victim", victim, "--world", str(world),
                "--start_phase", str(start_phase), "--log_dir", str(log_dir), "--timeout", str(timeout)]

@@ -378,10 +378,10 @@ FLAGS: Tuple[Flag, ...] = (
               "step is discarded everywhere (docs/elastic.md). Starts a lighthouse unless --lighthouse"),
     Flag(("--lighthouse",), ENV, type=str, group=TORCHFT_GROUP,
          help="with --torchft: join the torchft lighthouse at this address (http://HOST:PORT) instead of "
-              "starting one"),
+              "starting one; needed on more than one node (keep it on a private network: docs/elastic.md)"),
     Flag(("--min_replicas",), ENV, type=int, default=1, group=TORCHFT_GROUP,
          help="with --torchft: the fewest replicas a step may commit with, and the lighthouse's quorum "
-              "minimum (default 1)"),
+              "minimum, from 1 to nnodes x nproc_per_node (default 1)"),
     Flag(("--join_timeout",), ENV, type=_positive_seconds, default=10.0, group=TORCHFT_GROUP,
          help="with --torchft: seconds the lighthouse it starts waits for more replicas before a quorum "
               "without them (default 10)"),

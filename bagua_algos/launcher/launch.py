@@ -67,6 +67,7 @@ from bagua_algos.launcher.flags import (BAGUA_ONLY_FLAGS, CONF, ENTRY_DEFAULTS, 
                                         rendezvous_backend, split_endpoint, torchrun_spelling)
 # the failure report (first_failure and _failure_summary are also read through this module)
 from bagua_algos.launcher.report import failure_summary, first_failure, rendezvous_failure  # noqa: F401
+from bagua_algos.launcher.binding import bind_rendezvous, loopback_environment
 from bagua_algos.runtime.bucket import BUCKET_SIZE_ENV
 
 _failure_summary = failure_summary
@@ -177,6 +178,26 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     for flag, path in (("--logdir", args.logdir), ("--log_dir", args.log_dir)):
         if path is not None and os.path.exists(path) and not os.path.isdir(path):
             parser.error(f"argument {flag}: {path!r} exists and is not a directory")
+    _check_torchft(parser, args)
+
+
+def _check_torchft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--torchft``'s flags: a quorum needs at least one replica and can never hold more
+    than the job launches (nnodes x nproc_per_node; a larger minimum waits forever), and a
+    job on several nodes must share one lighthouse (each launcher would otherwise start
+    its own, and every node would train alone)."""
+    if not args.torchft:
+        return
+    high = args.nnodes[1]
+    if high > 1 and not args.lighthouse:
+        parser.error(f"argument --lighthouse: --torchft on {high} nodes needs one lighthouse for all of them: "
+                     "start one (torchft_lighthouse --min_replicas N --bind HOST:PORT, on a private network) "
+                     "and pass its address, --lighthouse http://HOST:PORT, on every node")
+    replicas = high * args.nproc_per_node if isinstance(args.nproc_per_node, int) else None
+    if args.min_replicas < 1 or (replicas is not None and args.min_replicas > replicas):
+        valid = f"[1, {replicas}] (nnodes x nproc_per_node = {high} x {args.nproc_per_node})" if replicas \
+            else ">= 1"
+        parser.error(f"argument --min_replicas: must be in {valid}, got {args.min_replicas}")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.ArgumentParser] = None
@@ -220,6 +241,7 @@ def check_before_start(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error(f"argument training_script: no file {script!r} (relative to {os.getcwd()}); "
                      "give the path of the script, or a module name with -m")
     args.nproc_per_node = local_world_size(parser, args)
+    _check_torchft(parser, args)  # again, now that --nproc_per_node is a number
     from bagua_algos.runtime.comm import BACKEND_ENV
     from bagua_algos.runtime.gpus import gpu_shortage
 
@@ -323,6 +345,7 @@ def set_worker_environment(args: argparse.Namespace, prog: str = PROG) -> None:
         # every rendezvous publishes the workers' master afresh: without it a node
         # that joins a running job waits for keys the running agent never writes
         os.environ.setdefault(SHARE_STORE_ENV, "1")
+    loopback_environment(args)
     if args.default_bucket_size is not None:
         os.environ[BUCKET_SIZE_ENV] = str(args.default_bucket_size)
     if args.backend is not None:
@@ -357,6 +380,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> None:
 
     targs = torchrun.parse_args(torchrun_argv(args))
     set_worker_environment(args, prog)
+    store = bind_rendezvous(args, targs)  # noqa: F841 - kept for the job: the agent's store is its tenant
     logdir = args.logdir or args.log_dir
     if logdir is not None:
         print(f"{prog}: worker logs go to {os.path.abspath(logdir)}/"

@@ -163,6 +163,8 @@ class FaultTolerantStep:
         # seconds the last begin_step spent in the quorum (start_quorum: the lighthouse, a
         # group re-formed, a heal's transfer), the heal's load and the algorithm's rebuild
         self.last_begin = {"quorum": 0.0, "heal": 0.0, "rebuild": 0.0}
+        # a peer's healing state is checked against this replica's own before it is taken
+        ft._ft.setdefault("checks", {})["bagua"] = self._healing_problem
         if "bagua" not in self.manager._user_state_dicts:
             self.manager.register_state_dict_fn("bagua", self._load_healing_state, self._healing_state)
         else:  # with_bagua() called again: the callbacks now serve this module
@@ -184,6 +186,48 @@ class FaultTolerantStep:
         state = self._snapshot if self._snapshot is not None else _snapshot(self.ddp, self.optimizer)
         self.served.append((self.manager.current_step(), state_digest(state)))
         return state
+
+    def _healing_problem(self, state) -> str | None:
+        """What makes a peer's healing state unfit for this replica, or None: it must be
+        ``{"model", "optimizer", "bagua"}``; the model's keys, shapes and dtypes this
+        module's; the optimizer's groups this optimizer's, each state tensor a scalar or of
+        its parameter's shape and dtype kind; the algorithm state a dict (its sizes follow
+        the quorum, and ``load_state_dict`` applies the algorithm's rule to them)."""
+        if not isinstance(state, dict) or set(state) != {"model", "optimizer", "bagua"}:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            return f"expected {{'model', 'optimizer', 'bagua'}}, got {got}"
+        model, local = state["model"], self.ddp.module.state_dict()
+        if not isinstance(model, dict) or set(model) != set(local):
+            differ = sorted(set(model) ^ set(local)) if isinstance(model, dict) else type(model).__name__
+            return f"the model's keys differ from this module's: {differ}"[:300]
+        for key, mine in local.items():
+            theirs = model[key]
+            if not torch.is_tensor(theirs) or theirs.shape != mine.shape or theirs.dtype != mine.dtype:
+                got = f"{theirs.dtype} {tuple(theirs.shape)}" if torch.is_tensor(theirs) else type(theirs).__name__
+                return f"model[{key!r}] is {got}, this module's is {mine.dtype} {tuple(mine.shape)}"
+        return self._optimizer_problem(state["optimizer"]) or (
+            None if isinstance(state["bagua"], dict) else "the algorithm state is not a dict")
+
+    def _optimizer_problem(self, theirs) -> str | None:
+        mine = self.optimizer.state_dict()
+        if not isinstance(theirs, dict) or set(theirs) != set(mine):
+            return "the optimizer state is not torch's {'state', 'param_groups'}"
+        groups = theirs["param_groups"]
+        if not isinstance(groups, list) or [g.get("params") if isinstance(g, dict) else None for g in groups] != \
+                [g["params"] for g in mine["param_groups"]]:
+            return "the optimizer's parameter groups differ from this optimizer's"
+        params = dict(zip((i for g in mine["param_groups"] for i in g["params"]),
+                          (p for g in self.optimizer.param_groups for p in g["params"])))
+        if not isinstance(theirs["state"], dict) or not set(theirs["state"]) <= set(params):
+            return "the optimizer state names parameters this optimizer does not have"
+        for index, entry in theirs["state"].items():
+            for name, value in (entry.items() if isinstance(entry, dict) else [(None, entry)]):
+                if name is None:
+                    return f"the optimizer state of parameter {index} is not a dict"
+                if torch.is_tensor(value) and value.numel() != 1 and value.shape != params[index].shape:
+                    return (f"the optimizer's {name!r} of parameter {index} is {tuple(value.shape)}, "
+                            f"the parameter {tuple(params[index].shape)}")
+        return None
 
     def _load_healing_state(self, state: dict) -> None:
         self._healed = state  # applied in begin_step, after the group is formed again

@@ -144,6 +144,7 @@ def init_process_group(
                                                     rank, world_size, init_timeout)
     else:
         kwargs["init_method"] = "env://"
+        _owner["loopback_store"] = _loopback_master(rank, world_size, init_timeout)
     dist.init_process_group(**kwargs)
     if init_timeout != timeout:  # joined: from now on every wait gets the job's timeout
         dist.set_timeout(timeout)
@@ -158,6 +159,32 @@ def init_process_group(
     if not _owner["atexit"]:
         atexit.register(_destroy_at_exit)
         _owner["atexit"] = True
+
+
+def _loopback_master(rank: int, world_size: int, timeout: timedelta):
+    """Worker 0's store server on a loopback ``MASTER_ADDR``, bound to that address: torch's
+    env:// store (``rendezvous.py``, ``TCPStore(..., is_master=start_daemon,
+    multi_tenant=True)``) listens on every interface whatever its host; started here
+    first on a bound socket (``master_listen_fd``), it is that store's server (a
+    multi-tenant store shares the server of its port). None otherwise."""
+    import socket
+
+    from .fault_tolerance import is_loopback
+
+    host = os.environ.get("MASTER_ADDR", "")
+    if rank != 0 or not is_loopback(host):
+        return None
+    host = "127.0.0.1" if host.lower() == "localhost" else host.strip("[]")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own store server
+    try:
+        sock.bind((host, _env_int("MASTER_PORT")))
+        sock.listen(128)
+    except OSError:  # the port is taken: torch's own store says so, as before
+        sock.close()
+        return None
+    return dist.TCPStore(host, sock.getsockname()[1], world_size, is_master=True, timeout=timeout,
+                         wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.detach())
 
 
 def _init_timeout(init_timeout, timeout: timedelta) -> timedelta:
@@ -226,6 +253,7 @@ def destroy_process_group() -> None:
     _shutdown_fault_tolerance()
     _joined(None)
     _owner["joined"] = False
+    _owner.pop("loopback_store", None)  # worker 0's store server (_loopback_master)
     if is_initialized():
         dist.destroy_process_group()
         _drop_groups_held_as_defaults()

@@ -3,6 +3,9 @@
 import os
 
 from bagua_algos.runtime.comm import get_local_rank, get_local_size, get_rank, get_world_size  # noqa: F401
+# under torchft, the replica's slot among the job's (runtime/comm/fault_tolerance.py)
+from bagua_algos.runtime.comm.fault_tolerance import job_rank as get_rank  # noqa: F401,F811
+from bagua_algos.runtime.comm.fault_tolerance import job_world_size as get_world_size  # noqa: F401,F811
 from bagua_algos.runtime.bucket import default_bucket_size as get_default_bucket_size  # noqa: F401
 
 

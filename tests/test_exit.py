@@ -29,13 +29,13 @@ class FakeBucket:
         self.device = torch.device("cpu")
         self._log, self._seconds = log, seconds
 
-    def _before_ops(self) -> None:
+    def before_ops(self) -> None:
         pass
 
-    def _local_only(self) -> bool:
+    def is_local_only(self) -> bool:
         return False  # its ops stand for communication: they run on the communication thread
 
-    def _run_ops(self) -> None:
+    def run_ops(self) -> None:
         time.sleep(self._seconds)
         self._log.append((self.name, threading.current_thread().name))
 
@@ -106,6 +106,36 @@ def test_stop_communication_threads_covers_every_module():
     assert sorted(name for name, _ in log) == ["m0", "m1", "m2"]
     assert not any(t.is_alive() for t in threads)
 
+
+
+def test_a_backend_of_another_kind_is_registered_and_dispatches_its_buckets():
+    """register_backend makes a backend the module's (one per name); its dispatch is what
+    happens to a ready bucket (here: run at once on the marking thread)."""
+    import pytest
+
+    class AtOnce(BaguaBackend):
+        def dispatch(self, bucket, events) -> None:
+            bucket.before_ops()
+            bucket.run_ops()
+
+    log: list = []
+    mine = AtOnce("exit-test-registered")
+    backend_module.register_backend("exit-test-registered", mine)
+    try:
+        assert backend_module.get_backend("exit-test-registered") is mine
+        backend_module.register_backend("exit-test-registered", mine)  # the same one again: nothing changes
+        with pytest.raises(ValueError, match="module 'exit-test-registered' has a backend already"):
+            backend_module.register_backend("exit-test-registered", BaguaBackend("exit-test-registered"))
+        with pytest.raises(TypeError, match="backend must be a BaguaBackend, got dict"):
+            backend_module.register_backend("exit-test-other", {})
+        bucket = FakeBucket("a", log)
+        mine.register_ordered_buckets([bucket])
+        hand_over(mine, bucket)
+        assert log == [("a", threading.current_thread().name)] and mine._thread is None
+    finally:
+        backend_module.unregister_backend("exit-test-registered")
+    assert backend_module.get_backend("exit-test-registered") is not mine
+    backend_module.unregister_backend("exit-test-registered")
 
 def test_leaving_mid_op_finishes_the_op_and_exits_with_the_scripts_code():
     """sys.exit(0) / an uncaught error right after buckets were handed over: before the

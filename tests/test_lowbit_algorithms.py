@@ -97,7 +97,7 @@ def _ops_worker(rank, n):
         bucket = BaguaBucket(tensors, name="b", flatten=True, alignment=n)
         bucket.append_centralized_synchronous_op(hierarchical=hierarchical, average=True, scattergather=True,
                                                  compression="MinMaxUInt8")
-        bucket._run_ops()
+        bucket.run_ops()
         out[("bucket", hierarchical)] = torch.cat([t.reshape(-1) for t in tensors])
 
     # the low-precision decentralized op: three rounds, states before and after
@@ -114,7 +114,7 @@ def _ops_worker(rank, n):
         with torch.no_grad():
             param.add_(inp(f"lpd-step{t}", rank, numel), alpha=0.1)  # a local step
         before = (param.clone(), weight.clone(), left.clone(), right.clone())
-        bucket._run_ops()
+        bucket.run_ops()
         rounds.append(before + (param.clone(), weight.clone(), left.clone(), right.clone()))
     out["lpd"] = rounds
     out["lpd_peers"] = (op.left_rank, op.right_rank)

@@ -144,3 +144,59 @@ def test_the_console_command_is_the_experiments_cli(setup_kwargs):
     (entry,) = [e for e in setup_kwargs["entry_points"]["console_scripts"] if e.split("=")[0].strip() == "bagua-algos"]
     module, function = entry.split("=")[1].strip().split(":")
     assert callable(getattr(importlib.import_module(module), function))
+
+
+def test_the_library_needs_torch_and_numpy_and_each_extra_names_its_own(setup_kwargs):
+    """`pip install bagua-algos` is the library (tests/test_light_import.py holds its imports
+    to it); the experiments' dependencies are their extra's, and `test` installs every extra."""
+    assert setup_kwargs["install_requires"] == ["torch>=2.4", "numpy"]
+    extras = setup_kwargs["extras_require"]
+    assert sorted(extras["experiments"]) == ["matplotlib", "mlxtend", "scikit-learn", "torchvision", "tqdm"]
+    assert extras["ray"] == ["ray>=2.9"]
+    assert {"pytest", "pytest-xdist", "hypothesis"} <= set(extras["test"])
+    for extra in ("experiments", "lightning", "torchft", "ray"):
+        assert set(extras[extra]) <= set(extras["test"]), extra
+
+
+def test_the_readme_commands_install_their_extras_and_ci_runs_the_second(repo_root):
+    """README's command 1 installs the experiments extra, command 2 the test extra; .ci/run's
+    last line is command 2 to the letter."""
+    readme = (repo_root / "README.md").read_text()
+    block = readme[readme.index("## Two commands"):]
+    block = block[block.index("```bash\n") + len("```bash\n"):block.index("```\n", block.index("```bash\n") + 8)]
+    commands = [line for line in block.splitlines() if line and not line.startswith("#")]
+    assert len(commands) == 2, commands
+    assert "pip install -e '.[experiments]' &&" in commands[0] and "benchmarks/heterogeneity_sweep.py" in commands[0]
+    assert "pip install -e '.[test]' &&" in commands[1]
+    ci = [line for line in (repo_root / ".ci" / "run").read_text().splitlines() if line.strip()]
+    assert ci[-1] == commands[1]
+
+
+def test_bagua_s_communication_names_are_one_list_exported_twice(repo_root, monkeypatch):
+    """bagua_algos and the compatibility package's bagua.torch_api export Bagua's
+    communication names from one list, with the same values (get_rank and get_world_size
+    the replica's slot under torchft in both)."""
+    import importlib
+    import sys
+
+    import bagua_algos
+    from bagua_algos.compat import compat_path, real_bagua_installed
+    from bagua_algos.runtime.comm import fault_tolerance
+
+    if real_bagua_installed():
+        pytest.skip("a real Bagua is installed here")
+    monkeypatch.setattr(sys, "path", [compat_path(), *sys.path])
+    before = {m for m in sys.modules if m == "bagua" or m.startswith("bagua.")}
+    try:
+        torch_api = importlib.import_module("bagua.torch_api")
+        assert Path(torch_api.__file__).resolve().is_relative_to(repo_root)
+        names = bagua_algos.BAGUA_COMMUNICATION_NAMES
+        assert len(set(names)) == len(names) > 20
+        for name in names:
+            assert getattr(torch_api, name) is getattr(bagua_algos, name), name
+        assert bagua_algos.get_rank is torch_api.get_rank is fault_tolerance.job_rank
+        assert bagua_algos.get_world_size is torch_api.get_world_size is fault_tolerance.job_world_size
+        assert callable(bagua_algos.neighbor_exchange) and not hasattr(torch_api, "neighbor_exchange")
+    finally:
+        for module in [m for m in sys.modules if (m == "bagua" or m.startswith("bagua.")) and m not in before]:
+            del sys.modules[module]

@@ -27,6 +27,7 @@ hands to the collective (its message), against what gradient allreduce would han
 
 from __future__ import annotations
 
+import warnings
 
 import torch
 
@@ -37,7 +38,7 @@ from .byte_counts import CountsBytes
 from ..runtime.algorithm import Algorithm, AlgorithmImpl
 
 __all__ = ["AllgatherCompressionAlgorithm", "AllgatherCompressionImpl", "contribution", "bucket_step",
-           "allgather_into_rows", "optimizer_momenta"]
+           "allgather_into_rows", "optimizer_momenta", "warn_second_momentum"]
 
 
 def contribution(grad: torch.Tensor, state: dict, momentum, error_feedback: bool,
@@ -74,6 +75,18 @@ def optimizer_momenta(optimizers) -> list:
     an algorithm keeping its own momentum (Signum, DeMo) warns about."""
     return sorted({group.get("momentum", 0) for opt in optimizers for group in opt.param_groups
                    if group.get("momentum", 0)})
+
+
+def warn_second_momentum(optimizers, algorithm: str, momentum: str, before: str) -> None:
+    """For an algorithm that keeps each worker's momentum and sends what follows from it
+    (Signum's vote, DeMo's sign): warn when an optimizer has a momentum of its own, which
+    would add a second one after the exchange (the method then is another). ``momentum``
+    names the algorithm's setting, ``before`` what it comes before."""
+    momenta = optimizer_momenta(optimizers)
+    if momenta:
+        warnings.warn(f"{algorithm}Algorithm keeps each worker's momentum ({momentum}) before {before}; the "
+                      f"optimizer's momentum={momenta[0]} adds a second one after it, which is not {algorithm} "
+                      "(use torch.optim.SGD(params, lr, weight_decay=...) without momentum)", stacklevel=3)
 
 
 def allgather_into_rows(messages: torch.Tensor, group) -> torch.Tensor:

@@ -45,14 +45,12 @@ the same op runs on ``[W, N]`` rows.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from ..arguments import check_int, check_real
 from ..compression.chunked_topk import DCTTopKCodec
 from ..runtime.algorithm import GlobalAlgorithmRegistry
-from .allgather_compression import AllgatherCompressionAlgorithm, AllgatherCompressionImpl, optimizer_momenta
+from .allgather_compression import AllgatherCompressionAlgorithm, AllgatherCompressionImpl, warn_second_momentum
 
 __all__ = ["DeMoAlgorithm", "DeMoAlgorithmImpl"]
 
@@ -88,11 +86,7 @@ class DeMoAlgorithm(AllgatherCompressionAlgorithm):
 
     def check_optimizers(self, optimizers) -> None:
         """Warn about an optimizer with momentum: it would add a second momentum after the sign."""
-        momenta = optimizer_momenta(optimizers)
-        if momenta:
-            warnings.warn(f"DeMoAlgorithm keeps each worker's momentum (decay {self.decay}) before the exchange; the "
-                          f"optimizer's momentum={momenta[0]} adds a second one after the sign, which is not DeMo "
-                          "(use torch.optim.SGD(params, lr, weight_decay=...) without momentum)", stacklevel=2)
+        warn_second_momentum(optimizers, "DeMo", f"decay {self.decay}", "the exchange")
 
     def make_codec(self, shapes: list, dtype: torch.dtype) -> DCTTopKCodec:
         return DCTTopKCodec(shapes, self.chunk, self.topk, dtype)

@@ -30,14 +30,12 @@ algorithms, whose NaN reaches every worker's weights.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from ..arguments import check_real
 from ..compression.signs import MajorityVoteCodec
 from ..runtime.algorithm import GlobalAlgorithmRegistry
-from .allgather_compression import AllgatherCompressionAlgorithm, optimizer_momenta
+from .allgather_compression import AllgatherCompressionAlgorithm, warn_second_momentum
 
 __all__ = ["SignumAlgorithm"]
 
@@ -55,11 +53,7 @@ class SignumAlgorithm(AllgatherCompressionAlgorithm):
 
     def check_optimizers(self, optimizers) -> None:
         """Warn about an optimizer with momentum: it would add a second momentum after the vote."""
-        momenta = optimizer_momenta(optimizers)
-        if momenta:
-            warnings.warn(f"SignumAlgorithm keeps each worker's momentum (β = {self.momentum}) before the vote; "
-                          f"the optimizer's momentum={momenta[0]} adds a second one after it, which is not Signum "
-                          "(use torch.optim.SGD(params, lr, weight_decay=...) without momentum)", stacklevel=2)
+        warn_second_momentum(optimizers, "Signum", f"β = {self.momentum}", "the vote")
 
     def make_codec(self, shapes: list, dtype: torch.dtype) -> MajorityVoteCodec:
         return MajorityVoteCodec(sum(torch.Size(s).numel() for s in shapes))

@@ -76,7 +76,6 @@ and decodes never wait for the device; it checks the marks once per op.
 from __future__ import annotations
 
 import os
-import struct
 import sys
 import warnings
 from typing import Callable, List, Optional, Sequence, Union
@@ -85,6 +84,8 @@ import numpy as np
 import torch
 
 from ..arguments import check_choice, check_flag, check_int, is_int
+from .minmax_format import HEADER as _HEADER
+from .minmax_format import HEADER_BYTES
 
 __all__ = [
     "HEADER_BYTES",
@@ -100,10 +101,8 @@ __all__ = [
     "unpack_levels",
 ]
 
-HEADER_BYTES = 10
 VALID_BITS = (1, 2, 4, 8)
 NON_FINITE = ("raise", "mark")
-_HEADER = struct.Struct("<BBff")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _LITTLE = sys.byteorder == "little"
 # Values per step of the host (torch) path: its float32 scratch (1 MiB) and the other

@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .minmax import HEADER_BYTES
+from .minmax_format import HEADER_BYTES
 
 _HEADER = tl.constexpr(HEADER_BYTES)  # what a kernel may read of a global
 _VALUES_PER_PROGRAM = 4096  # encode/decode: values a program handles

@@ -37,9 +37,8 @@ import weakref
 
 import torch
 
-from ..runtime import backend as backend_module
 from ..runtime import comm
-from ..runtime.backend import BaguaBackend
+from ..runtime.backend import BaguaBackend, register_backend, unregister_backend
 from ..runtime.bucket import split_into_buckets
 from .stacked import Layout, StackedModel
 
@@ -68,14 +67,10 @@ class _StackedBackend(BaguaBackend):
     """A module's backend on the engine: a bucket's ops run as soon as it is ready,
     on the thread that marked it (there is no communication to overlap)."""
 
-    def _hand_over(self, k: int) -> None:  # (the lock is held)
-        bucket = self._buckets[k]
-        self._ready[k] = set()
-        self._events[k] = []
-        self._next = (k + 1) % len(self._buckets)
-        bucket._before_ops()
+    def dispatch(self, bucket, events) -> None:  # (the lock is held)
+        bucket.before_ops()
         try:
-            bucket._run_ops()
+            bucket.run_ops()
         except (RuntimeError, ValueError) as err:
             if not _is_transport_call(err):
                 raise
@@ -129,8 +124,8 @@ class StackedRuntime:
         self.algorithm = algorithm
         self.bagua_module_name = f"engine_{type(module).__name__}_{next(_names)}"
         self._bagua_backend = _StackedBackend(self.bagua_module_name)
-        backend_module._backends[self.bagua_module_name] = self._bagua_backend
-        weakref.finalize(self, backend_module._backends.pop, self.bagua_module_name, None)
+        register_backend(self.bagua_module_name, self._bagua_backend)
+        weakref.finalize(self, unregister_backend, self.bagua_module_name)
         self.process_group = self.group
         self.parameters_to_ignore: list = []
         self.require_backward_grad_sync = True
@@ -210,7 +205,7 @@ class StackedRuntime:
                         f"of {type(self.algorithm).__name__} holds {getattr(tensor, 'bagua_tensor_name', '?')!r}, "
                         "which is not one; run it as processes (--engine processes)")
                 names.append(name)
-            padding = 0 if bucket.padding_tensor is None else bucket.numel - sum(bucket._numels[:len(bucket.tensors)])
+            padding = bucket.padding_numel
             groups.append((bucket.name, names, padding))
         return Layout.of_buckets(self.module, groups)
 
@@ -298,8 +293,8 @@ class StackedRuntime:
         benchmarks: the algorithm's communication step alone)."""
         with comm.stacked_world(self.group):
             for bucket in self.bagua_buckets:
-                bucket._before_ops()
-                bucket._run_ops()
+                bucket.before_ops()
+                bucket.run_ops()
 
     def wait_pending_comm_ops(self) -> None:
         self._bagua_backend.wait_pending_comm_ops()

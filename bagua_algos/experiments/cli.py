@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -48,8 +49,19 @@ COMMANDS = {
                          "the plugin's one-peer gossip against Decent-DP's, step time over gloo (needs decent-dp)"),
 }
 
+# The import names of the `experiments` extra (setup.py's EXPERIMENTS_REQUIRES): what the
+# commands load their datasets and models with, draw their figures with and show progress with.
+# Every command is an experiment, so each is refused before it starts when one is missing (a
+# figure is drawn after hours of training).
+EXPERIMENTS_MODULES = ("torchvision", "matplotlib", "sklearn", "mlxtend", "tqdm")
+
 # an optional dependency a command imports -> the extra that installs it
-EXTRAS = {"lightning": "lightning"}
+EXTRAS = {"lightning": "lightning", "ray": "ray", **dict.fromkeys(EXPERIMENTS_MODULES, "experiments")}
+
+
+def _missing_extra(parser, name, module):
+    parser.exit(2, f"bagua-algos {name}: needs {module}, which is not installed "
+                   f"(pip install 'bagua-algos[{EXTRAS[module]}]')\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,14 +86,15 @@ def main(argv=None) -> int:
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         parser.error(f"argument COMMAND: invalid choice: {name!r} (choose from {', '.join(COMMANDS)})")
+    for dependency in EXPERIMENTS_MODULES:
+        if importlib.util.find_spec(dependency) is None:
+            _missing_extra(parser, name, dependency)
     try:
-        module = importlib.import_module(COMMANDS[name][0])
+        code = importlib.import_module(COMMANDS[name][0]).main(rest)
     except ModuleNotFoundError as err:
-        if err.name not in EXTRAS:
+        if (err.name or "").split(".")[0] not in EXTRAS:
             raise
-        parser.exit(2, f"bagua-algos {name}: needs {err.name}, which is not installed "
-                       f"(pip install 'bagua-algos[{EXTRAS[err.name]}]')\n")
-    code = module.main(rest)
+        _missing_extra(parser, name, err.name.split(".")[0])
     return code if isinstance(code, int) else 0
 
 

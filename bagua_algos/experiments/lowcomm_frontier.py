@@ -377,7 +377,9 @@ def reported_text(task: Task) -> str:
 def run_task(ctx, task: Task) -> list[dict]:
     """One task: the knobs, their measured bytes, every row trained; the table and the
     CSV records."""
-    from bagua_algos.experiments.reproduce import print_table
+    # here, not at the top: importing reproduce.output runs the reproduce package, whose
+    # catalog imports this module
+    from bagua_algos.experiments.reproduce.output import print_table
 
     setting = ctx.setting({"proxy": task.setting, "seed": task.setting})
     data = task.load(ctx.device)

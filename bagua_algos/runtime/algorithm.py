@@ -21,18 +21,34 @@ written for Bagua runs on this runtime unchanged.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
 from . import comm
 from .bucket import BaguaBucket
 
-if TYPE_CHECKING:
-    from .ddp import BaguaDistributedDataParallel
-
-__all__ = ["Algorithm", "AlgorithmImpl", "GlobalAlgorithmRegistry", "ForwardPreHook", "BackwardHook",
+__all__ = ["Algorithm", "AlgorithmImpl", "GlobalAlgorithmRegistry", "BaguaDDP", "ForwardPreHook", "BackwardHook",
            "PostBackwardHook", "PostOptimizerStepHook"]
+
+
+class BaguaDDP(Protocol):
+    """What an impl's set-up and hooks are given as ``bagua_ddp`` (Bagua's names): in a job
+    the ``BaguaDistributedDataParallel`` that ``with_bagua`` makes (runtime/ddp.py, which
+    imports this module, so it is described here rather than imported), on the
+    one-process engine its ``StackedRuntime``."""
+
+    module: torch.nn.Module
+    bagua_module_name: str
+    bagua_optimizers: list
+    bagua_algorithm: "AlgorithmImpl"
+    process_group: Any
+    bagua_train_step_counter: int  # forwards in training mode so far, this one included
+    bagua_buckets: list  # the BaguaBuckets of the algorithm's tensors_to_buckets
+    _bagua_backend: Any  # Bagua's name: the module's backend (runtime/backend.py), wait_pending_comm_ops()
+
+    def bagua_build_params(self) -> list:
+        """``(name, parameter)`` of the module's trained parameters, in registration order."""
 
 ForwardPreHook = Callable[[Any], None]
 """``hook(inputs)``: before each training forward, with the forward's positional inputs."""
@@ -105,7 +121,7 @@ class AlgorithmImpl:
         the next forward (checked once per training forward)."""
         return False
 
-    def init_tensors(self, bagua_ddp: "BaguaDistributedDataParallel") -> list:
+    def init_tensors(self, bagua_ddp: BaguaDDP) -> list:
         """The Bagua tensors to communicate, in the order their gradients are expected
         to become ready (reverse registration order): each parameter, registered with
         its gradient as the effective tensor."""
@@ -128,22 +144,22 @@ class AlgorithmImpl:
         tensors); the default follows it, naming bucket k ``str(k)``."""
         return [BaguaBucket(group, flatten=do_flatten, name=str(index)) for index, group in enumerate(tensors)]
 
-    def init_operations(self, bagua_ddp: "BaguaDistributedDataParallel", bucket: BaguaBucket) -> None:
+    def init_operations(self, bagua_ddp: BaguaDDP, bucket: BaguaBucket) -> None:
         """Append to ``bucket`` (``bucket.append_*_op``) what runs once it is ready."""
 
-    def on_detach(self, bagua_ddp: "BaguaDistributedDataParallel") -> None:
+    def on_detach(self, bagua_ddp: BaguaDDP) -> None:
         """End what the algorithm runs outside its hooks (a background thread), called by
         ``bagua_ddp.detach()`` before the hooks are removed. The default has nothing to
         end. Not in Bagua 0.9, whose modules are never detached."""
 
     # --- hooks ----------------------------------------------------------------------
-    def init_forward_pre_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> ForwardPreHook:
+    def init_forward_pre_hook(self, bagua_ddp: BaguaDDP) -> ForwardPreHook:
         def hook(input):
             pass
 
         return hook
 
-    def init_backward_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> BackwardHook:
+    def init_backward_hook(self, bagua_ddp: BaguaDDP) -> BackwardHook:
         def hook(parameter_name, parameter):
             if parameter_name in self._communication_tensor_names:
                 grad = parameter.grad
@@ -157,13 +173,13 @@ class AlgorithmImpl:
 
         return hook
 
-    def init_post_backward_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> PostBackwardHook:
+    def init_post_backward_hook(self, bagua_ddp: BaguaDDP) -> PostBackwardHook:
         def hook():
             bagua_ddp._bagua_backend.wait_pending_comm_ops()
 
         return hook
 
-    def init_post_optimizer_step_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> PostOptimizerStepHook:
+    def init_post_optimizer_step_hook(self, bagua_ddp: BaguaDDP) -> PostOptimizerStepHook:
         def hook(optimizer):
             pass
 

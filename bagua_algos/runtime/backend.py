@@ -21,6 +21,16 @@ the same design in Python:
 On CUDA the worker runs ops on its own stream: it waits for the events recorded when
 tensors were marked ready, and ``wait_pending_comm_ops`` makes the caller's stream wait
 for the communication stream.
+
+The interface, for another kind of backend (the one-process engine's runs a bucket's
+ops at once on the marking thread):
+
+- a bucket is anything with the :class:`ExecutableBucket` methods (``BaguaBucket`` has
+  them): this module imports no bucket, so the buckets' module may import this one;
+- :meth:`BaguaBackend.dispatch` is what happens to a bucket once it and every bucket
+  before it are ready; a subclass overrides it;
+- :func:`register_backend` makes a backend the one ``get_backend`` returns for a module
+  name, and :func:`unregister_backend` forgets it.
 """
 
 from __future__ import annotations
@@ -30,14 +40,12 @@ import queue
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .bucket import BaguaBucket
-
-__all__ = ["BaguaBackend", "CommOpError", "get_backend", "stop_communication_threads"]
+__all__ = ["BaguaBackend", "CommOpError", "ExecutableBucket", "get_backend", "register_backend",
+           "stop_communication_threads", "unregister_backend"]
 
 # How long the exit hook waits, in all, for ops still running on the communication threads
 # (e.g. the script died of an exception mid-step) before leaving them running.
@@ -51,6 +59,23 @@ class CommOpError(RuntimeError):
     """An op failed on the communication thread; the message holds its traceback."""
 
 
+class ExecutableBucket(Protocol):
+    """What a backend asks of a bucket (``runtime/bucket.py``'s ``BaguaBucket``)."""
+
+    name: str
+    tensors: list  # the Bagua tensors whose readiness makes the bucket ready
+    device: torch.device  # where its ops run (a CUDA device: on the backend's stream)
+
+    def before_ops(self) -> None:
+        """The effective tensors back in the bucket's buffer (on the training thread)."""
+
+    def is_local_only(self) -> bool:
+        """Whether its ops only count on the host: run on the marking thread, no event."""
+
+    def run_ops(self) -> None:
+        """Its ops, once, in order."""
+
+
 class BaguaBackend:
     """Bucket scheduling and the communication thread of one module."""
 
@@ -58,7 +83,7 @@ class BaguaBackend:
         self.module_name = module_name
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._buckets: list["BaguaBucket"] = []
+        self._buckets: list[ExecutableBucket] = []
         self._slot: dict[int, tuple[int, int]] = {}  # id(proxy tensor) → (bucket, tensor index)
         self._ready: list[set[int]] = []
         self._events: list[list] = []
@@ -72,7 +97,7 @@ class BaguaBackend:
         self._done_events: list = []
 
     # --- set-up -------------------------------------------------------------------------
-    def register_ordered_buckets(self, buckets: list["BaguaBucket"]) -> None:
+    def register_ordered_buckets(self, buckets: list[ExecutableBucket]) -> None:
         """Schedule ``buckets`` in this order from now on (pending ops finish first)."""
         self.wait_pending_comm_ops()
         slot = {}
@@ -96,10 +121,10 @@ class BaguaBackend:
         """Whether marking ``tensor`` ready needs a CUDA event: not when its bucket's ops
         all run on the marking thread without touching device data (one worker)."""
         where = self._slot.get(id(tensor))
-        return where is None or not self._buckets[where[0]]._local_only()
+        return where is None or not self._buckets[where[0]].is_local_only()
 
     @property
-    def buckets(self) -> list["BaguaBucket"]:
+    def buckets(self) -> list[ExecutableBucket]:
         return list(self._buckets)
 
     # --- readiness ----------------------------------------------------------------------
@@ -123,7 +148,7 @@ class BaguaBackend:
                 self._hand_over(k)
 
     def _hand_over(self, k: int) -> None:
-        """Give bucket ``k`` to the worker (lock held) and advance the round."""
+        """Advance the round past bucket ``k`` (lock held) and dispatch it."""
         bucket = self._buckets[k]
         events = self._events[k]
         self._ready[k] = set()
@@ -131,16 +156,25 @@ class BaguaBackend:
         self._next = k + 1
         if self._next == len(self._buckets):
             self._next = 0  # the round is complete; the next one starts from bucket 0
-        if bucket._local_only():
+        self.dispatch(bucket, events)
+
+    def dispatch(self, bucket: ExecutableBucket, events: list) -> None:
+        """Have ``bucket``'s ops run: it and every bucket before it are ready. Called with
+        the backend's lock held, on the thread that marked the last tensor ready, once
+        per bucket and round, in the registered order; ``events`` are the CUDA events
+        recorded when its tensors were marked. Here: its ops go to the communication
+        thread (or run here when they only count on the host), and an error is raised
+        at ``wait_pending_comm_ops``. A backend of another kind overrides it."""
+        if bucket.is_local_only():
             # Every op is a no-op or a host-side count here (one worker): run them on
             # this thread; the effective tensors need not be in the buffer for that.
             try:
-                bucket._run_ops()
+                bucket.run_ops()
             except BaseException as exc:  # noqa: BLE001 - reported at the wait, as the thread's
                 if self._error is None:
                     self._error = (exc, bucket.name, traceback.format_exc())
             return
-        bucket._before_ops()  # effective tensors back in the bucket's buffer (training thread)
+        bucket.before_ops()  # effective tensors back in the bucket's buffer (training thread)
         self._in_flight += 1
         self._start_worker()
         self._jobs.put((bucket, events))
@@ -222,10 +256,10 @@ class BaguaBackend:
                     self._idle.notify_all()
             del job, bucket, events, done  # an idle thread keeps no bucket (nor its groups) alive
 
-    def _run(self, bucket: "BaguaBucket", events):
+    def _run(self, bucket: ExecutableBucket, events):
         device = bucket.device
         if device.type != "cuda":
-            bucket._run_ops()
+            bucket.run_ops()
             return None
         stream = self._streams.get(device)
         if stream is None:
@@ -233,7 +267,7 @@ class BaguaBackend:
         for event in events:
             stream.wait_event(event)
         with torch.cuda.stream(stream):
-            bucket._run_ops()
+            bucket.run_ops()
         done = torch.cuda.Event()
         done.record(stream)
         return device, done
@@ -245,7 +279,7 @@ _backends_lock = threading.Lock()
 
 def get_backend(module_name: str) -> BaguaBackend:
     """The backend of the module named ``module_name`` (created on first use)."""
-    backend = _backends.get(module_name)  # once made, never replaced: no lock needed to find it
+    backend = _backends.get(module_name)  # never replaced while registered: no lock needed to find it
     if backend is not None:
         return backend
     with _backends_lock:
@@ -253,6 +287,27 @@ def get_backend(module_name: str) -> BaguaBackend:
         if backend is None:
             backend = _backends[module_name] = BaguaBackend(module_name)
         return backend
+
+
+def register_backend(module_name: str, backend: BaguaBackend) -> None:
+    """Make ``backend`` the one :func:`get_backend` returns for ``module_name`` (a
+    backend of another kind, made by its owner). A name has one backend while it is
+    registered: registering a second one for it is refused."""
+    if not isinstance(backend, BaguaBackend):
+        raise TypeError(f"register_backend: backend must be a BaguaBackend, got {type(backend).__name__}")
+    with _backends_lock:
+        present = _backends.get(module_name)
+        if present is not None and present is not backend:
+            raise ValueError(f"register_backend: module {module_name!r} has a backend already; "
+                             "unregister_backend it first, or use another module name")
+        _backends[module_name] = backend
+
+
+def unregister_backend(module_name: str) -> None:
+    """Forget the backend of ``module_name`` (none registered: nothing to do); the next
+    :func:`get_backend` for the name makes a new one. Its thread is not stopped here."""
+    with _backends_lock:
+        _backends.pop(module_name, None)
 
 
 def stop_communication_threads(timeout: float | None = None) -> bool:

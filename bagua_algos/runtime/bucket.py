@@ -120,6 +120,8 @@ class BaguaBucket:
         self._numels = [self._worker_numel(t) for t in self._all_tensors]
         self.numel = sum(self._numels)
         """A worker's number of values (padding included)."""
+        self.padding_numel: int = self.numel - sum(self._numels[:len(tensors)])
+        """A worker's values of the padding tensor (0 without one)."""
         self.flatten = flatten
         self.backend_tensor: Optional[torch.Tensor] = None
         """With ``flatten``: the buffer holding every effective tensor, in order, ``[W, numel]``
@@ -220,8 +222,11 @@ class BaguaBucket:
         item = torch.empty((), dtype=self.dtype).element_size()
         return sum(self._numels[: len(self.tensors)]) * item  # (a worker's, on the engine too)
 
-    def _before_ops(self) -> None:
-        """Put every effective tensor back into its place in ``backend_tensor``.
+    # --- execution: what a backend calls (runtime/backend.py, ExecutableBucket) ------------
+    def before_ops(self) -> None:
+        """Put every effective tensor back into its place in ``backend_tensor``, so that
+        the ops find the current values there (a backend calls it on the training thread
+        when it hands the bucket over, before :meth:`run_ops`).
 
         A gradient that ``zero_grad(set_to_none=True)`` removed is zero: its view is
         zeroed and handed to the setter, so autograd accumulates into the buffer next
@@ -250,7 +255,7 @@ class BaguaBucket:
         ``backend_tensor`` itself when the bucket is flattened (writing to it writes the
         tensors), else a packed copy."""
         if self.flatten:
-            self._before_ops()
+            self.before_ops()
             return self.backend_tensor
         return self.flattened_tensor().view(self.workers, self.numel)
 
@@ -286,12 +291,15 @@ class BaguaBucket:
             offset += n
 
     # --- ops ----------------------------------------------------------------------------
-    def _local_only(self) -> bool:
+    def is_local_only(self) -> bool:
         """True when the bucket has ops and each says ``local_only``: with this group it
-        does nothing but count on the host (e.g. a reduction over one worker)."""
+        does nothing but count on the host (e.g. a reduction over one worker), so a
+        backend may run them on the marking thread, without a CUDA event."""
         return bool(self._ops) and all(getattr(op, "local_only", False) for op in self._ops)
 
-    def _run_ops(self) -> None:
+    def run_ops(self) -> None:
+        """Run the bucket's ops once, in the order they were appended, on this thread
+        (a backend calls it on its communication thread, after :meth:`before_ops`)."""
         for op in list(self._ops):
             op(self)
 

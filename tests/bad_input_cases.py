@@ -278,6 +278,143 @@ def checkpoint_bad_tracker():
         checkpoint.load_checkpoint(tmp, _model())
 
 
+class _Payload:
+    """Unpickling it would run a shell command (a file that is code, not data)."""
+
+    def __reduce__(self):
+        import os
+
+        return os.system, ("echo this should never run",)
+
+
+def _checkpoints(tmp: str, iterations=(1,)) -> None:
+    for it in iterations:
+        checkpoint.save_checkpoint(it, tmp, _model(it))
+
+
+@add("checkpoint_pickled_payload", "load_checkpoint(dir) whose file (with a matching .sha256) holds a pickled "
+     "object that runs a shell command", checkpoint.UntrustedCheckpointError, "pass trust_pickle=True or set "
+     "BAGUA_ALGOS_TRUST_PICKLE=1")
+def checkpoint_pickled_payload():
+    import hashlib
+    import json
+
+    with tempfile.TemporaryDirectory() as tmp:
+        _checkpoints(tmp)
+        path = checkpoint._rank_file(tmp, 1, 0)
+        buffer = io.BytesIO()
+        torch.save({"model": _model().state_dict(), "extra": _Payload()}, buffer)
+        Path(path).unlink()
+        Path(path).write_bytes(buffer.getvalue())
+        Path(path + ".sha256").unlink()
+        Path(path + ".sha256").write_text(json.dumps({"sha256": hashlib.sha256(buffer.getvalue()).hexdigest(),
+                                                      "bytes": len(buffer.getvalue()), "world_size": 1}))
+        checkpoint.load_checkpoint(tmp, _model())
+
+
+@add("checkpoint_tracker_negative", "resume_from_checkpoint(dir) where the tracker holds '-5' and iteration 1 is "
+     "valid on disk", None, "resumed from iteration 1 after a warning: ")
+def checkpoint_tracker_negative():
+    import warnings
+
+    with tempfile.TemporaryDirectory() as tmp:
+        _checkpoints(tmp)
+        Path(tmp, checkpoint.TRACKER).write_text("-5")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            iteration = checkpoint.resume_from_checkpoint(tmp, _model())
+        return f"resumed from iteration {iteration} after a warning: {caught[0].message}" if caught else \
+            f"resumed from iteration {iteration}, no warning"
+
+
+@add("checkpoint_checksum_not_an_object", "load_checkpoint(dir) where the file's .sha256 holds '[1, 2]'",
+     checkpoint.CheckpointError, "no valid checksum file bagua_rank_00000_states.pt.sha256")
+def checkpoint_checksum_not_an_object():
+    with tempfile.TemporaryDirectory() as tmp:
+        _checkpoints(tmp)
+        Path(checkpoint._rank_file(tmp, 1, 0) + ".sha256").unlink()
+        Path(checkpoint._rank_file(tmp, 1, 0) + ".sha256").write_text("[1, 2]")
+        checkpoint.load_checkpoint(tmp, _model())
+
+
+@add("checkpoint_other_model", "load_checkpoint(dir) into a model whose last layer has 5 outputs, not 2",
+     checkpoint.CheckpointMismatchError, "does not fit (nothing was loaded): its model '2.weight' has shape (2, 3), "
+     "this model's (5, 3)")
+def checkpoint_other_model():
+    with tempfile.TemporaryDirectory() as tmp:
+        _checkpoints(tmp)
+        checkpoint.load_checkpoint(tmp, _model(out=5))
+
+
+@add("checkpoint_path_is_a_file", "resume_from_checkpoint(the tracker file) instead of its folder",
+     checkpoint.CheckpointError, "is a file; pass the folder that holds latest_checkpointed_iteration.txt")
+def checkpoint_path_is_a_file():
+    with tempfile.TemporaryDirectory() as tmp:
+        _checkpoints(tmp)
+        checkpoint.resume_from_checkpoint(str(Path(tmp, checkpoint.TRACKER)), _model())
+
+
+# ------------------------------------------------------------ the sweep's and reproduce's commands
+
+
+def _command(main, *argv):
+    """``main(argv)`` of a command in this process (torch's thread count kept); its usage
+    error comes back as SystemExit whose message is "[exit CODE] <the error line>"."""
+    threads = torch.get_num_threads()
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            main([str(a) for a in argv])
+    except SystemExit as exc:
+        lines = [line for line in err.getvalue().splitlines() if "error:" in line] or err.getvalue().splitlines() or [""]
+        raise SystemExit(f"[exit {exc.code}] {lines[-1].strip()}") from None
+    finally:
+        torch.set_num_threads(threads)
+    return "the command ran"
+
+
+def _sweep(*argv):
+    from bagua_algos.experiments.sweep.cli import main
+
+    return _command(main, "--workers", 2, "--configs", "allreduce_average", "--alphas", 0.1, "--epochs", 1, *argv)
+
+
+add("sweep_seed_negative", "bagua-algos sweep --seed -1", SystemExit,
+    "[exit 2] bagua-algos sweep: error: argument --seed: expected an integer in [0, 4294967295]",
+    lambda: _sweep("--seed", -1))
+
+
+@add("sweep_out_dir_unwritable", "bagua-algos sweep --out-dir FILE/sub (a folder under a file)", SystemExit,
+     "argument --out-dir: cannot write in")
+def sweep_out_dir_unwritable():
+    with tempfile.NamedTemporaryFile() as f:
+        _sweep("--out-dir", f"{f.name}/sub")
+
+
+@add("sweep_resume_line_not_a_record", "bagua-algos sweep --resume where runs.jsonl's line 2 is '[1, 2]'", SystemExit,
+     "line 2 is not a run's record (a JSON object with config, alpha and lr), got '[1, 2]'; delete that line")
+def sweep_resume_line_not_a_record():
+    import json
+
+    from bagua_algos.experiments.sweep.cli import build_parser, config_from_arguments
+    from bagua_algos.experiments.sweep.runlog import RUNS_FILE, settings_of
+
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = ["--workers", "2", "--configs", "allreduce_average", "--alphas", "0.1", "--epochs", "1", "--out-dir", tmp]
+        settings = settings_of(config_from_arguments(build_parser().parse_args(argv)))
+        Path(tmp, RUNS_FILE).write_text(json.dumps({"sweep_settings": settings}) + "\n[1, 2]\n")
+        _sweep("--out-dir", tmp, "--resume")
+
+
+@add("reproduce_out_unwritable", "bagua-algos reproduce seed001-table4 --out FILE/sub", SystemExit,
+     "[exit 2] reproduce: error: argument --out: cannot write in")
+def reproduce_out_unwritable():
+    from bagua_algos.experiments.reproduce.cli import main
+
+    with tempfile.NamedTemporaryFile() as f:
+        _command(main, "seed001-table4", "--out", f"{f.name}/sub")
+
+
 # ======================================================================= two gloo workers
 
 

@@ -244,7 +244,7 @@ Each was a failing probe first; the fixes have their own tests in
 - `wrap_sparse_embedding`: `nn.Embedding(..., sparse=True)` under gradient_allreduce
   crashed inside torch at the first backward after `zero_grad()`
   (`Cannot access data pointer of Tensor that doesn't have storage`, in
-  `BaguaBucket._before_ops`). The gradient hook now refuses a sparse gradient by the
+  `BaguaBucket.before_ops`). The gradient hook now refuses a sparse gradient by the
   parameter's name (NotImplementedError; model-averaging algorithms, which do not
   communicate gradients, still accept it).
 """

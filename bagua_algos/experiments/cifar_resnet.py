@@ -1,7 +1,10 @@
 """The CIFAR-10 ResNet-18 of the PowerSGD paper (seed 001, Table 10): a 3×3 first
 convolution with 64 channels, no max-pool, four stages of two basic blocks (64, 128,
 256, 512 channels), 1×1 convolution shortcuts where the shape changes, a 10-class head.
-Parameter names follow the table (``layer4.1.conv2``, ``layer4.0.shortcut.0``, ``linear``)."""
+Parameter names follow the table (``layer4.1.conv2``, ``layer4.0.shortcut.0``, ``linear``).
+It is epfml/powersgd ``paper-code/tasks/cifar_architectures/resnet.py``'s ``ResNet18``
+layer for layer, with PyTorch's default init as there (that file sets none); the
+sweep's ``--model resnet18``."""
 
 from __future__ import annotations
 

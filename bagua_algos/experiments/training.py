@@ -15,6 +15,11 @@ The workers are one of:
   module): a step is forward, backward and ``optimizer.step()``, its loss read as a
   Python float, and each epoch's mean is allgathered so every rank sees every worker's
   (and all stop together on a NaN).
+
+Both apply the data's training augmentation where it has one (``data.train_augment``:
+CIFAR-10's crop and flip, :class:`bagua_algos.experiments.data.CifarAugmentation`) to
+each batch, told the epoch, the step and the worker, whose draws depend on those alone:
+so the engine's stacked batch and each process's own batch are cropped and flipped alike.
 """
 
 from __future__ import annotations
@@ -78,9 +83,16 @@ class StackedWorkers:
     def __init__(self, engine, data, batches: Callable[[int], Iterable], batched_average: bool = True):
         self.engine = engine
         self.data = data
-        self.batches = batches
+        self._batches = batches
         self.batched_average = batched_average
         self.device = data.train_x.device
+        self.augment = getattr(data, "train_augment", None)
+        self.position = (0, 0)  # (epoch, step) of the batch being trained
+
+    def batches(self, epoch: int):
+        for step, index in enumerate(self._batches(epoch)):
+            self.position = (epoch, step)
+            yield index
 
     def zero_losses(self):
         return torch.zeros(self.engine.n, device=self.device)
@@ -90,7 +102,10 @@ class StackedWorkers:
             group["lr"] = lr
 
     def step(self, index):
-        return self.engine.step(self.data.train_x[index], self.data.train_y[index], torch.nn.functional.cross_entropy)
+        x = self.data.train_x[index]
+        if self.augment is not None:  # every worker's batch, worker i's draws its own
+            x = self.augment(x, *self.position, range(self.engine.n))
+        return self.engine.step(x, self.data.train_y[index], torch.nn.functional.cross_entropy)
 
     def gradients_finite(self) -> bool:
         return bool(torch.isfinite(self.engine.model.grads).all())
@@ -115,19 +130,24 @@ class StackedWorkers:
 class ProcessWorker:
     """This rank's worker of a launched job: ``model`` wrapped by ``with_bagua``, its
     ``optimizer``, a ``loader`` over its ``sampler``'s share, and ``evaluate(model)``
-    giving (every worker's accuracy, the averaged model's), collectively."""
+    giving (every worker's accuracy, the averaged model's), collectively; ``augment``:
+    the data's ``train_augment`` (None: none), applied to this rank's batches."""
 
-    def __init__(self, model, optimizer, loader, sampler, evaluate):
+    def __init__(self, model, optimizer, loader, sampler, evaluate, augment=None):
         self.model = model
         self.optimizer = optimizer
         self.loader = loader
         self.sampler = sampler
         self._evaluate = evaluate
         self.loss_fn = torch.nn.CrossEntropyLoss()
+        self.augment = augment
+        self.position = (0, 0)  # (epoch, step) of the batch being trained
 
     def batches(self, epoch: int):
         self.sampler.set_epoch(epoch)
-        return self.loader
+        for step, batch in enumerate(self.loader):
+            self.position = (epoch, step)
+            yield batch
 
     def zero_losses(self):
         return 0.0
@@ -138,6 +158,10 @@ class ProcessWorker:
 
     def step(self, batch) -> float:
         x, y = batch
+        if self.augment is not None:
+            from bagua_algos.runtime import comm
+
+            x = self.augment(x, *self.position, comm.get_rank())
         self.optimizer.zero_grad()
         loss = self.loss_fn(self.model(x), y)
         loss.backward()

@@ -1,5 +1,6 @@
 """The sweep's plots: test accuracy against epochs, one panel per α, and each α's
-per-worker class counts."""
+per-worker class counts. With no run to draw (every run diverged) each figure is one
+empty panel that says so, so the files the report names exist and are not stale."""
 
 from __future__ import annotations
 
@@ -8,12 +9,29 @@ from pathlib import Path
 __all__ = ["plot_accuracy", "plot_histograms"]
 
 
+def _empty_figure(plt, path: Path, note: str) -> None:
+    """One blank panel carrying ``note`` (why there is nothing to draw)."""
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.axis("off")
+    ax.text(0.5, 0.5, note, ha="center", va="center", wrap=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _no_run_note(report: dict | None) -> str:
+    failed = len((report or {}).get("failed_runs") or [])
+    return f"every run diverged ({failed} stopped by a non-finite loss; results.json lists them): nothing to plot"
+
+
 def plot_accuracy(rows: list[dict], path: Path, report: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if not rows:
+        _empty_figure(plt, path, _no_run_note(report))
+        return
     alphas = sorted({r["alpha"] for r in rows}, reverse=True)
     fig, axes = plt.subplots(1, len(alphas), figsize=(5 * len(alphas), 4), sharey=True, squeeze=False)
     for ax, alpha in zip(axes[0], alphas):
@@ -36,13 +54,16 @@ def plot_accuracy(rows: list[dict], path: Path, report: dict) -> None:
     plt.close(fig)
 
 
-def plot_histograms(rows: list[dict], path: Path) -> None:
+def plot_histograms(rows: list[dict], path: Path, report: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
+    if not rows:
+        _empty_figure(plt, path, _no_run_note(report))
+        return
     by_alpha = {}
     for row in rows:
         by_alpha.setdefault(row["alpha"], row["class_histogram"])

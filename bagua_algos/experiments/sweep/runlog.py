@@ -14,7 +14,9 @@ finished runs with it. ``OUT_DIR/runs.jsonl`` holds:
 diverged would diverge again: it stays failed), and the tables and plots cover all of
 them. A resume whose settings differ from the log's is refused, naming each setting
 that differs, because its runs would not be comparable. A last line cut short by a kill
-while it was written is dropped with a warning (that run is trained again). Without
+while it was written is dropped with a warning (that run is trained again); any other
+line that is not of its shape (the settings, then run records: JSON objects with a
+config, α and learning rate) is refused naming the file and the line. Without
 ``--resume`` the log starts over.
 """
 
@@ -59,20 +61,30 @@ def read_previous_runs(sweep) -> list[dict]:
     path = Path(sweep.out_dir) / RUNS_FILE
     if not path.exists():
         return []
-    lines = path.read_text().split("\n")
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ResumeError(f"{path} is unreadable ({getattr(error, 'strerror', None) or error}); move it away and run "
+                          "without --resume to start over") from None
     if lines and lines[-1] == "":
         lines.pop()
     records = []
     for number, line in enumerate(lines, 1):
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
             if number == len(lines) and number > 1:  # cut short by a kill while it was written
                 print(f"heterogeneity_sweep: {path}: line {number} is incomplete (the sweep stopped while writing "
                       "it); that run is trained again", file=sys.stderr)
                 break
-            raise ResumeError(f"{path}: line {number} is not a JSON record; move the file away to start over") from None
-    if not records or "sweep_settings" not in records[0]:
+            record = None
+        why = _not_a_record(record, first=number == 1)
+        if why:
+            fix = "" if number == 1 else "delete that line (its run is trained again), or "
+            raise ResumeError(f"{path}: line {number} {why}, got {line[:60]!r}; {fix}move the file away and run "
+                              "without --resume to start over")
+        records.append(record)
+    if not records:
         raise ResumeError(f"{path} does not start with the sweep's settings; move the file away to start over")
     saved, now = records[0]["sweep_settings"], settings_of(sweep)
     differ = [f"{name} {saved.get(name)!r} there, {now[name]!r} now" for name in RESULT_SETTINGS
@@ -81,6 +93,22 @@ def read_previous_runs(sweep) -> list[dict]:
         raise ResumeError(f"the runs in {path} were made with other settings ({'; '.join(differ)}): resume with the "
                           "same settings, or choose another --out-dir")
     return records[1:]
+
+
+def _not_a_record(record, first: bool) -> str:
+    """Why ``record`` (a parsed line, None if it is not JSON) is not what that line of
+    the log holds ("" if it is): line 1 the settings, every other line a run's record
+    (a JSON object with its ``config``, ``alpha`` and ``lr``, as :func:`run_key` reads)."""
+    if first:
+        ok = isinstance(record, dict) and isinstance(record.get("sweep_settings"), dict)
+        return "" if ok else 'is not the sweep\'s settings (a JSON object {"sweep_settings": {...}})'
+    if not isinstance(record, dict) or "sweep_settings" in record:
+        return "is not a run's record (a JSON object with config, alpha and lr)"
+    try:
+        run_key(record)
+    except (KeyError, TypeError, ValueError):
+        return "is a JSON object without a run's config, alpha and lr"
+    return ""
 
 
 class RunLog:

@@ -127,7 +127,6 @@ def test_no_import_runs_upward():
 # list as they land (test_the_allow_list_names_only_circles_that_exist says which is done).
 CIRCLES_BEING_FIXED = {
     "runtime/comm's modules import each other": ("bagua_algos.runtime.comm.",),
-    "launcher: launch and replicas import each other": ("bagua_algos.launcher.launch", "bagua_algos.launcher.replicas"),
     "the sweep: config, runs, report (and what they call)": ("bagua_algos.experiments.sweep.",),
 }
 
@@ -249,12 +248,7 @@ BAGUAS_NAMES = {
     "_get_default_group": "bagua.torch_api.communication's, which the compatibility package re-exports",
 }
 # (file, name) used for a while yet, with the reason.
-PRIVATE_KEPT_FOR_NOW = {
-    ("bagua_algos/launcher/replicas.py", "_check_lighthouse"): "the launcher and comm are being reworked now",
-    ("bagua_algos/experiments/elastic_step_worker.py", "_ft"): "comm's fault tolerance is being reworked now",
-    ("bagua_algos/compat/bagua/torch_api/data_parallel/distributed.py", "_as_device"):
-        "runtime/data_parallel.py's device check, to be made public",
-}
+PRIVATE_KEPT_FOR_NOW = {}
 
 
 def _private_names(tree):

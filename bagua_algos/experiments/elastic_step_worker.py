@@ -93,7 +93,7 @@ def main(argv=None) -> None:
             else:
                 from bagua_algos.runtime.comm import fault_tolerance as ft
 
-                log.write(json.dumps({"discarded": step, "t": now, "error": ft._ft.get("last_error")}) + "\n")
+                log.write(json.dumps({"discarded": step, "t": now, "error": ft.last_error()}) + "\n")
             continue
         step += 1
         log.write(json.dumps({"step": step, "t": now, "world": bagua.get_world_size()}) + "\n")

@@ -371,7 +371,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> None:
     if args.torchft:  # replicas of torchft, not torchrun's agent (a lost worker must not stop the others)
         from .replicas import run_replicas
 
-        sys.exit(run_replicas(args, prog))
+        sys.exit(run_replicas(args, prog, set_worker_environment))
     import torch.distributed as dist
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException

@@ -72,10 +72,12 @@ def _trust_environment(args: argparse.Namespace, prog: str, lighthouse: str) -> 
     return env
 
 
-def run_replicas(args: argparse.Namespace, prog: str) -> int:
+def run_replicas(args: argparse.Namespace, prog: str, set_worker_environment) -> int:
+    """Start ``args.nproc_per_node`` replicas (and a lighthouse on loopback, unless
+    ``--lighthouse`` names one) and wait for them; ``set_worker_environment(args, prog)``
+    is the launcher's, what every worker inherits (passed in: the launcher imports this
+    module, not the other way round)."""
     from bagua_algos.runtime.comm import fault_tolerance as ft
-
-    from .launch import set_worker_environment
 
     LighthouseServer = _import_torchft(prog)
     nproc = int(args.nproc_per_node)
@@ -83,7 +85,7 @@ def run_replicas(args: argparse.Namespace, prog: str) -> int:
     address = args.lighthouse
     if address:
         try:
-            ft._check_lighthouse(address, 5.0)
+            ft.check_lighthouse(address, 5.0)
         except RuntimeError as exc:
             print(f"{prog}: {exc}", file=sys.stderr, flush=True)
             return 1

@@ -73,7 +73,7 @@ class DistributedDataParallel_V1_9_0(torch.nn.Module):
                 if len(wanted) != 1:
                     raise ValueError(f"device_ids can only be None or contain a single element, got {value!r}")
                 wanted = wanted[0]
-            if wanted is not None and _as_device(wanted) != self.device:
+            if wanted is not None and as_device(wanted) != self.device:
                 raise ValueError(f"{name}={value!r} names another device than the module's ({self.device}); "
                                  f"move the module there first, or pass None")
         if dim != 0:
@@ -167,7 +167,7 @@ class DistributedDataParallel_V1_9_0(torch.nn.Module):
                                   "for torch DDP's hooks see bagua_algos.ddp_hooks")
 
 
-def _as_device(value) -> torch.device:
+def as_device(value) -> torch.device:
     if isinstance(value, int):
         return torch.device("cuda", value)
     return torch.device(value)

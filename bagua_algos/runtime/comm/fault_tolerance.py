@@ -1,4 +1,4 @@
-"""Fault tolerance at the step, on torchft (opt-in; issue 44).
+"""Fault tolerance at the step, on torchft (opt-in).
 
 Each worker is a torchft *replica* (a replica group of one process) with its own
 ``torchft.Manager``. At the start of every training step the manager asks the
@@ -74,6 +74,12 @@ def active() -> bool:
 
 def step_errored() -> bool:
     return _ft["errored"] is not None
+
+
+def last_error() -> Optional[str]:
+    """The first failed collective of the latest step that failed, as one line (its type
+    and message, at most 300 characters); None until a step fails."""
+    return _ft.get("last_error")
 
 
 def report_error(exc: BaseException) -> None:
@@ -416,7 +422,7 @@ def _tensor_transport_class():
     return _TensorTransport
 
 
-def _check_lighthouse(address: str, timeout: float) -> None:
+def check_lighthouse(address: str, timeout: float) -> None:
     """One clear line when the lighthouse cannot be reached (torchft would otherwise
     fail deep inside its Rust client, or retry for its connect timeout)."""
     hostport = address.split("://", 1)[-1].rstrip("/")
@@ -446,7 +452,7 @@ def init(timeout: timedelta, lighthouse: Optional[str] = None, min_replicas: Opt
             f"or pass --lighthouse ADDR / set ${LIGHTHOUSE_ENV}"
         )
     connect_timeout = connect_timeout or min(timeout, timedelta(seconds=10))
-    _check_lighthouse(lighthouse, connect_timeout.total_seconds())
+    check_lighthouse(lighthouse, connect_timeout.total_seconds())
     if min_replicas is None:
         min_replicas = int(os.environ.get(MIN_REPLICAS_ENV, "1"))
     replica_id = replica_id or os.environ.get(REPLICA_ID_ENV) or f"replica_{os.getpid()}"

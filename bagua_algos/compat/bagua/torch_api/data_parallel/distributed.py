@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDistributedDataPar
 
 from bagua_algos.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
 from bagua_algos.runtime import comm as _comm
-from bagua_algos.runtime.data_parallel import DistributedDataParallel_V1_9_0, _as_device
+from bagua_algos.runtime.data_parallel import DistributedDataParallel_V1_9_0, as_device
 
 __all__ = ["DistributedDataParallel", "DistributedDataParallel_V1_9_0", "DistributedDataParallel_V1_9_0_Interface",
            "to_bagua_process_group"]
@@ -47,7 +47,7 @@ def _same_device(module, value, single_list: bool) -> bool:
             return False
         value = value[0]
     params = list(module.parameters())
-    return bool(params) and _as_device(value) == params[0].device
+    return bool(params) and as_device(value) == params[0].device
 
 
 def DistributedDataParallel(

@@ -5,12 +5,12 @@ with the ``lightning`` extra): ``python benchmarks/lightning_benchmark.py --help
 launcher re-runs this script for its other processes."""
 
 try:
-    from bagua_algos.experiments.lightning_benchmark import main
+    from bagua_algos.experiments.cli import run_command
 except ModuleNotFoundError as err:
     if err.name != "bagua_algos":
         raise
     raise SystemExit("benchmarks/lightning_benchmark.py: the bagua_algos package is not importable; install the "
-                     "repository first (pip install -e . from its root)") from None
+                     "repository first (pip install -e '.[experiments]' from its root)") from None
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command("lightning-benchmark"))

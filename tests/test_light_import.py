@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import sys
 import json
 import re
 
@@ -191,3 +192,26 @@ def test_a_dependency_missing_inside_a_command_is_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err == ("bagua-algos sweep: needs matplotlib, which is not installed "
                                        "(pip install 'bagua-algos[experiments]')\n")
 
+
+
+def test_every_checkout_script_is_its_command_and_refuses_a_missing_extra_in_one_line(monkeypatch, capsys):
+    """benchmarks/X.py runs `bagua-algos X` (the same check of the extra first): the
+    README's command 1 without the extra says what to install, not a traceback."""
+    import pathlib
+    import re
+    import runpy
+
+    from bagua_algos.experiments import cli
+
+    scripts = sorted((pathlib.Path(__file__).parents[1] / "benchmarks").glob("*.py"))
+    named = {s.name: re.search(r'run_command\("([^"]+)"\)', s.read_text()) for s in scripts}
+    assert all(named.values()), [n for n, m in named.items() if not m]
+    assert sorted(m.group(1) for m in named.values()) == sorted(cli.COMMANDS)  # one script a command
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == "sklearn" else real(name, *a, **k))
+    monkeypatch.setattr(sys, "argv", ["heterogeneity_sweep.py", "--help"])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(scripts[0].parent / "heterogeneity_sweep.py"), run_name="__main__")
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == ("bagua-algos sweep: needs sklearn, which is not installed "
+                                       "(pip install 'bagua-algos[experiments]')\n")

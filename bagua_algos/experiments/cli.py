@@ -14,7 +14,7 @@ import importlib
 import importlib.util
 import sys
 
-__all__ = ["COMMANDS", "build_parser", "main"]
+__all__ = ["COMMANDS", "build_parser", "main", "run_command"]
 
 # command -> (module whose main(argv) runs it, one line of help)
 COMMANDS = {
@@ -86,11 +86,20 @@ def main(argv=None) -> int:
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         parser.error(f"argument COMMAND: invalid choice: {name!r} (choose from {', '.join(COMMANDS)})")
+    return run_command(name, rest, parser)
+
+
+def run_command(name: str, argv=None, parser=None) -> int:
+    """Command ``name``'s ``main(argv)`` (``argv`` None: this process's arguments), or
+    one line naming the extra to install, exit 2, when a dependency it needs is missing;
+    what ``bagua-algos NAME`` and the checkout's ``benchmarks/*.py`` scripts both run."""
+    parser = parser or build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     for dependency in EXPERIMENTS_MODULES:
         if importlib.util.find_spec(dependency) is None:
             _missing_extra(parser, name, dependency)
     try:
-        code = importlib.import_module(COMMANDS[name][0]).main(rest)
+        code = importlib.import_module(COMMANDS[name][0]).main(argv)
     except ModuleNotFoundError as err:
         if (err.name or "").split(".")[0] not in EXTRAS:
             raise

@@ -6,7 +6,7 @@ the outcome measured against an uninterrupted run resumed from the same checkpoi
     bagua-algos elastic-faults --runs 20 --out elastic_faults.json     # the same
 
 It runs the checkout's examples/fault_tolerance.py (examples/ is not installed), so it
-needs the package installed from a checkout (``pip install -e .``); elsewhere it says so.
+needs the package installed from a checkout (``pip install -e '.[experiments]'``); elsewhere it says so.
 
 For each algorithm family (``FAMILIES``) and run: examples/fault_tolerance.py starts on
 ``--nproc_per_node`` CPU workers under the chosen launcher (the plugin's, static
@@ -581,7 +581,7 @@ def main(argv=None) -> None:
         return
     if not args.plain_against_plugin and not SCRIPT.is_file():
         parser.error(f"{SCRIPT} is not there: the kill-and-restart runs need the repository's checkout "
-                     "(examples/ is not installed); install the package from it (pip install -e . from its root)")
+                     "(examples/ is not installed); install the package from it (pip install -e '.[experiments]' from its root)")
     if args.plain_against_plugin:
         outcome = plain_against_plugin(args.plain_against_plugin)
         for name, runs in outcome.items():

@@ -81,6 +81,12 @@ OUTSIDE = {
     "paper-code/train.py": "epfml/powersgd's training script, which the protocol 'powersgd' follows",
     "exogym/strategy/diloco.py": "EXO Gym's DiLoCo (exo-explore/gym), which exogym_compare's matched DiLoCo follows",
     "exogym/train_node.py": "EXO Gym's node (exo-explore/gym), whose batches exogym_compare's engine reads",
+    "torchft/checkpointing/http_transport.py": "torchft 0.2.0's healing transport, which unpickles (not used)",
+    "torchft/checkpointing/pg_transport.py": "torchft 0.2.0's process-group transport, which unpickles (not used)",
+    "torchft/manager.py": "torchft 0.2.0's manager, whose server binds every interface",
+    "tasks/models/vgg.py": "epfml/relaysgd's VGG-11, which the sweep's vgg11 follows",
+    "tasks/models/resnet20.py": "epfml/relaysgd's ResNet-20, which the sweep's resnet20 follows",
+    "paper-code/tasks/cifar_architectures/resnet.py": "epfml/powersgd's ResNet-18, which the sweep's resnet18 is",
 }
 
 
@@ -314,6 +320,8 @@ def test_named_code_is_found_and_judged():
 # Named on purpose though not in the packages, with the reason.
 NOT_HERE = {
     "BaguaCommunicator.abort": "Bagua's NCCL communicator abort, which docs/bagua_api.md lists as not covered",
+    "DistributedSampler": "torch.utils.data's, which a script builds right after init (docs/elastic.md)",
+    "_streaming_load": "torchft 0.2.0's HTTP transport's loader, which unpickles (docs/elastic.md)",
 }
 
 

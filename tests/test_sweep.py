@@ -95,7 +95,7 @@ def test_both_engines_give_the_same_table(tmp_path):
 
 def test_a_nan_loss_stops_its_run_names_the_worker_and_keeps_the_others(tmp_path):
     result = run_sweep(
-        "--workers", "4", "--configs", "allreduce_average", "--lr-grid", "0.05,1e30", "--alphas", "0.1",
+        "--workers", "4", "--configs", "allreduce_average", "--lr-grid", "0.05,1e30", "--lr-extend", "0", "--alphas", "0.1",
         "--epochs", "2", "--max-steps-per-epoch", "3", "--out-dir", str(tmp_path), "--no-progress",
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -112,7 +112,7 @@ def test_same_seed_gives_the_same_sweep_one_run_or_two_at_a_time(tmp_path):
     for name, jobs in (("a", "1"), ("b", "2")):
         result = run_sweep(
             "--workers", "2", "--configs", "decentralized:hierarchical=false,topology=ring", "--alphas", "0.01",
-            "--lr-grid", "0.05,0.1", "--epochs", "2", "--max-steps-per-epoch", "4", "--out-dir", str(tmp_path / name),
+            "--lr-grid", "0.05,0.1", "--lr-extend", "0", "--epochs", "2", "--max-steps-per-epoch", "4", "--out-dir", str(tmp_path / name),
             "--no-progress", "--jobs", jobs,
         )
         assert result.returncode == 0, result.stderr[-3000:]
@@ -161,7 +161,7 @@ def test_resume_trains_only_the_runs_not_yet_in_the_log(tmp_path):
     """A sweep stopped halfway goes on with --resume: the runs in runs.jsonl are kept,
     the rest are trained, and the tables cover all of them; other settings are refused."""
     common = ["--workers", "4", "--alphas", "0.1", "--epochs", "1", "--max-steps-per-epoch", "2",
-              "--out-dir", str(tmp_path), "--no-progress"]
+              "--out-dir", str(tmp_path), "--no-progress", "--lr-extend", "0"]
     first = run_sweep("--configs", "allreduce_average", "--lr-grid", "0.05,1e30", *common)
     assert first.returncode == 0, first.stderr[-3000:]
     log = (tmp_path / "runs.jsonl").read_text().splitlines()
@@ -215,7 +215,7 @@ def test_async_runs_as_processes_and_stops_its_rounds_before_the_next_run(tmp_pa
     model, which ends async's background rounds before the next run and the exit."""
     result = run_sweep(
         "--workers", "2", "--configs", "async:sync_interval_ms=5;allreduce_average", "--alphas", "0.1",
-        "--epochs", "1", "--max-steps-per-epoch", "4", "--out-dir", str(tmp_path), "--no-progress",
+        "--epochs", "1", "--max-steps-per-epoch", "4", "--out-dir", str(tmp_path), "--no-progress", "--lr", "0.05",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 workers on the processes engine (a config has no stacked form: async:" in result.stderr

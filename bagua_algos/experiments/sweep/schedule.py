@@ -1,6 +1,7 @@
 """How the sweep's runs are scheduled: how many train at a time by default (the CPUs
 idle now, :func:`idle_cpus`), and :func:`run_jobs`, which trains them in this process
-or, with ``--jobs`` above 1, in a pool of processes forked from it."""
+or, with ``--jobs`` above 1, in a pool of processes forked from it (on GPUs the pool is
+``executors.run_gpu_jobs``'s)."""
 
 from __future__ import annotations
 
@@ -84,3 +85,4 @@ def run_jobs(work, jobs: list, processes: int):
         pool.terminate()
         pool.join()
         _FORKED.clear()
+

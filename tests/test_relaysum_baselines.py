@@ -1,5 +1,6 @@
 """The RelaySum paper's baselines (D², gradient tracking, D-PSGD with quasi-global
-momentum, RelaySum/Grad, Stochastic Gradient Push) against oracles written from each
+momentum, RelaySum/Grad, Stochastic Gradient Push, and RelaySum/Model under both of
+its normalizations) against oracles written from each
 paper's update rule: n copies of a model in one process, the rule's vectors kept
 explicitly (Tang et al.'s x_{t−1} and g_{t−1}; Pu & Nedić's tracker y; Lin et al.'s m̂;
 the delayed sum of every worker's update at its tree distance; push-sum's numerators
@@ -127,6 +128,37 @@ def _relaysum_grad(t, x, g, w, state):
     return new
 
 
+def _relaysum_model(mode):
+    """Vogels et al.'s RelaySum/Model on the chain 0-1-…-(N−1), as epfml/relaysgd's
+    RelayMechanism runs it: after the local step x½ = x − γ g, worker j sends i the
+    message m_{j→i} = x½_j + Σ_{k ∈ N(j)∖i} m_{k→j} (last step's, none at t = 0) with the
+    count c_{j→i} = 1 + Σ c_{k→j}; then n̄_i = 1 + Σ_j c_{j→i} and
+    "world_size": x_i = (x½_i + Σ_j m_{j→i} + (N − n̄_i) x0) / N (x0 the initial model),
+    "count":      x_i = (x½_i + Σ_j m_{j→i}) / n̄_i."""
+    def neighbours(i):
+        return [j for j in (i - 1, i + 1) if 0 <= j < N]
+
+    def rule(t, x, g, w, state):
+        x0 = state.setdefault("x0", x.clone())
+        half = x - LR * g
+        last = state.get("m", {})
+        messages = {}
+        for j in range(N):
+            for i in neighbours(j):
+                relayed = [last[(k, j)] for k in neighbours(j) if k != i and (k, j) in last]
+                messages[(j, i)] = (half[j] + sum(m for m, _ in relayed), 1 + sum(c for _, c in relayed))
+        state["m"] = messages
+        new = torch.empty_like(x)
+        for i in range(N):
+            received = [messages[(j, i)] for j in neighbours(i)]
+            total = half[i] + sum(m for m, _ in received)
+            n_bar = 1 + sum(c for _, c in received)
+            new[i] = (total + (N - n_bar) * x0[i]) / N if mode == "world_size" else total / n_bar
+        return new
+
+    return rule
+
+
 def _push_sum(t, x, g, w, state):
     """Assran et al.: x½ = x − γ g(z); keep half of (x½, w), push half to i + 2^k
     (k = t mod log2 n); z = x / w. Here x is z, the parameters trained."""
@@ -138,6 +170,24 @@ def _push_sum(t, x, g, w, state):
     weight = 0.5 * weight + 0.5 * weight[src]
     state["w"] = weight
     return numerator / weight
+
+
+def _push_sum_steps(k):
+    """SGP with k gossip steps per optimizer step (the paper's push_sum_avg_steps): after
+    the local step, k successive push-sum exchanges, the j-th with the hop of exchange
+    k·t + j (n = 4: hops 1, 2, 1, 2, ...)."""
+    def rule(t, x, g, w, state):
+        weight = state.get("w", torch.ones(N, 1))
+        numerator = x * weight - LR * g
+        for j in range(k):
+            hop = 2 ** ((k * t + j) % 2)
+            src = [(i - hop) % N for i in range(N)]
+            numerator = 0.5 * numerator + 0.5 * numerator[src]
+            weight = 0.5 * weight + 0.5 * weight[src]
+        state["w"] = weight
+        return numerator / weight
+
+    return rule
 
 
 def _engine(name, kwargs, momentum=0.0, steps=STEPS):
@@ -161,6 +211,9 @@ ORACLES = [
      {"hierarchical": False, "topology": "ring", "quasi_global_momentum": True}, 0.9, _quasi_global(0.9)),
     ("relaysum_grad_chain", "relaysum_grad", {"topology": "chain"}, 0.0, _relaysum_grad),
     ("sgp_one_peer_exponential", "sgp", {}, 0.0, _push_sum),
+    ("relaysum_model_chain_world_size", "relay", {"topology": "chain", "mode": "world_size"}, 0.0,
+     _relaysum_model("world_size")),
+    ("relaysum_model_chain_count", "relay", {"topology": "chain"}, 0.0, _relaysum_model("count")),
 ]
 
 
@@ -194,6 +247,7 @@ CASES = [
     ("relaysum_grad_dbt_drops", "relaysum_grad", {"topology": "double_binary_tree", "drop_rate": 0.2, "seed": 4}),
     ("sgp", "sgp", {}),
     ("sgp_ring", "sgp", {"topology": "ring"}),
+    ("sgp_two_avg_steps", "sgp", {"push_sum_avg_steps": 2}),
 ]
 
 
@@ -460,3 +514,32 @@ def test_sixteen_nesterov_processes_equal_the_engines_workers(per_rank16, label,
     expected = torch.stack([per_rank16[rank][label] for rank in range(N16)])
     got = _engine16(name, kwargs)
     assert (got - expected).abs().max() <= 1e-5 * expected.abs().max(), label
+
+
+def test_sgp_with_two_avg_steps_is_two_successive_exchanges():
+    """push_sum_avg_steps=2 on the engine follows two push-sum exchanges a step (hops
+    2^(2t mod 2) = 1, then 2). On 4 workers hops 1 and 2 are the hypercube's two
+    dimensions, so the two exchanges average exactly: every worker ends on the mean,
+    off the one-exchange path."""
+    assert torch.equal(_oracle(_push_sum_steps(1)), _oracle(_push_sum))
+    expected = _oracle(_push_sum_steps(2))
+    got = _engine("sgp", {"push_sum_avg_steps": 2})
+    scale = expected.abs().max()
+    assert (got - expected).abs().max() <= 2e-5 * scale
+    assert (got - got.mean(0)).abs().max() <= 1e-6 * scale
+    assert (got - _engine("sgp", {})).abs().max() > 1e-4 * scale
+
+
+@pytest.mark.parametrize("steps", [0, -1, 1.5, True, "2"])
+def test_sgp_refuses_a_bad_number_of_avg_steps(steps):
+    from bagua_algos.algorithms import SGPAlgorithm
+
+    with pytest.raises(ValueError, match="push_sum_avg_steps must be an integer >= 1"):
+        SGPAlgorithm(push_sum_avg_steps=steps)
+
+
+def test_relaysum_models_two_normalizations_differ():
+    """The first diameter − 1 steps (n̄_i < N) fill with x0 or divide by n̄_i: the two
+    oracles part there and stay apart, so each engine test above tells them apart."""
+    gap = (_oracle(_relaysum_model("world_size")) - _oracle(_relaysum_model("count"))).abs().max()
+    assert gap > 1e-3 * _oracle(_relaysum_model("count")).abs().max()

@@ -78,21 +78,32 @@ def test_the_codec_example_gives_the_seeds_header(tmp_path, capsys):
 
 
 def test_relaysum_table2_sets_the_papers_numbers_beside_the_workers_models(tmp_path, capsys):
-    """At a reduced size (4 workers, 1 epoch of 2 steps): both halves of the paper's table
-    (without momentum, with it), every row at every α, each half under its own protocol
-    and grid, the paper's worst worker beside ours, ours the workers' own models."""
+    """At a reduced size (4 workers, 1 epoch of 2 steps, no grid extension): both halves
+    of the paper's table (without momentum, with it), every row at every α, each half
+    under its own protocol, each row over its tuning script's grid, the paper's worst
+    worker and rate beside ours, all-reduce once on the IID split, RelaySum/Model with
+    the paper's world_size normalization and SGP with two gossip steps."""
     reproduce.main(["relaysum-table2", "--seeds", "1", "--epochs", "1", "--max-steps", "2", "--workers", "4",
-                    "--out", str(tmp_path)])
+                    "--lr-extend", "0", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert "paper: worst worker" in out and "53.9%" in out and "63.3%" in out  # D-PSGD, and with QGM, at 0.01
     assert "protocol relaysum_no_momentum" in out and "protocol relaysum:" in out
+    assert "0.01 (IID)" in out and "(at edge)" in out and "lr: paper | ours" in out
     with open(tmp_path / "relaysum-table2.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 3 * sum(len(half) for half in reproduce.RELAYSUM_TABLE2.values())
-    for half, (protocol, grid) in reproduce.RELAYSUM_HALVES.items():
+    for half, protocol in reproduce.RELAYSUM_HALVES.items():
         mine = [r for r in rows if r["half"] == half]
         assert {r["method"] for r in mine} == {m for m, _ in reproduce.RELAYSUM_TABLE2[half].values()}
-        assert all(float(r["lr"]) in grid and r["protocol"] == " ".join(protocol) for r in mine)
+        for r in mine:
+            grid = reproduce.published.RELAYSUM_GRIDS[half][r["row"]][1][float(r["alpha"])]
+            assert float(r["lr"]) in grid and r["lr_grid"] == " ".join(f"{g:g}" for g in grid) and not r["lr_extended"]
+            assert r["protocol"] == " ".join(protocol)
+            assert r["lr_at_edge"] == str(float(r["lr"]) in (grid[0], grid[-1]))
+        reference = [r for r in mine if r["row"] == "allreduce_average"]
+        assert len({r["worst_worker_mean"] for r in reference}) == 1 and reference[0]["split"].startswith("iid")
+    assert {r["spec"] for r in rows if r["row"] == "relay_chain"} == {"relay:topology=chain,mode=world_size"}
+    assert {r["spec"] for r in rows if r["row"] == "sgp"} == {"sgp:topology=one_peer_exponential,push_sum_avg_steps=2"}
     for r in rows:  # the tail mean of one recorded epoch is that epoch's worst worker
         assert 0.0 <= float(r["worst_worker_mean"]) <= float(r["workers_mean_accuracy"]) <= 1.0
     assert (tmp_path / "relaysum-table2.png").stat().st_size > 0
@@ -106,6 +117,8 @@ def test_diloco_h_trades_bytes_for_accuracy_at_a_reduced_size(tmp_path, capsys):
     sync = float(rows["synchronous (gradient allreduce)"]["bytes_per_step"])
     assert [float(rows[f"DiLoCo H={h}"]["bytes_per_step"]) * h for h in reproduce.DILOCO_H] == [sync] * 4
     assert all(0.0 <= float(r["test_accuracy_mean"]) <= 1.0 for r in rows.values())
+    # every row tuned its rate (compare's bracketing): the chosen rate and whether it is still at an edge
+    assert all(r["lr_at_edge"] in ("True", "False") and float(r["lr"]) > 0 for r in rows.values())
 
 
 def test_lowcomm_frontier_puts_the_methods_at_equal_measured_bytes(tmp_path, capsys, monkeypatch):

@@ -19,6 +19,7 @@ the Metropolis–Hastings gossip (also doubly stochastic).
 
 from __future__ import annotations
 
+from ..arguments import check_int
 from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry
 from ..runtime.bucket import BaguaBucket
 from ..runtime.topology import check_topology_arg
@@ -33,8 +34,17 @@ class SGPAlgorithmImpl(AdaptThenCombineImpl):
         "topology": "rebuilt for the new world size",
     }
 
+    def __init__(self, process_group, topology, push_sum_avg_steps: int = 1):
+        super().__init__(process_group, topology)
+        self.avg_steps = push_sum_avg_steps
+
     def combine(self, bucket: BaguaBucket, x, optimizer) -> None:
-        self.mix_(bucket, x)
+        # push_sum_avg_steps gossips, each the schedule's next exchange (on the exponential
+        # graph the next shift 2^k); the hook counts the last one
+        for j in range(self.avg_steps):
+            if j:
+                bucket.state["exchanges"] += 1
+            self.mix_(bucket, x)
 
 
 class SGPAlgorithm(Algorithm):
@@ -43,6 +53,9 @@ class SGPAlgorithm(Algorithm):
     Args:
         topology: ``"one_peer_exponential"`` (default: one peer out and one in a step, the
             pairing shifting by 2^k), another topology's name, or a Topology.
+        push_sum_avg_steps: gossip steps per optimizer step (default 1). The RelaySum
+            paper's SGP runs 2 (epfml/relaysgd, ``push_sum_avg_steps``): k steps mix with
+            W_{t+k-1} ... W_t, each the schedule's next pairing, and send k messages.
 
     Example::
 
@@ -51,12 +64,14 @@ class SGPAlgorithm(Algorithm):
         'one_peer_exponential'
     """
 
-    def __init__(self, topology="one_peer_exponential"):
+    def __init__(self, topology="one_peer_exponential", push_sum_avg_steps: int = 1):
         check_topology_arg(topology)
         self.topology = topology
+        self.push_sum_avg_steps = check_int("push_sum_avg_steps", push_sum_avg_steps, 1,
+                                            what="an integer >= 1 (gossip steps per optimizer step)")
 
     def reify(self, process_group) -> SGPAlgorithmImpl:
-        return SGPAlgorithmImpl(process_group, self.topology)
+        return SGPAlgorithmImpl(process_group, self.topology, self.push_sum_avg_steps)
 
 
 GlobalAlgorithmRegistry.register(

@@ -104,11 +104,13 @@ def _split(x, y, seed, name) -> SplitData:
                      torch.from_numpy(test_x), torch.from_numpy(test_y), 10, name)
 
 
-# What a CIFAR-10 python batch (a pickled dict of a numpy array and lists) may name when
-# unpickled: numpy's array reconstruction and the codec Python 3 pickles bytes with.
+# What a CIFAR-10 python batch (a pickled dict of a numpy array and a list of labels,
+# Python or numpy integers) may name when unpickled: numpy's array and scalar
+# reconstruction and the codec Python 3 pickles bytes with.
 # Anything else (os.system, a class of the file's choosing) would be code the file runs.
-_CIFAR_PICKLE_GLOBALS = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-                         ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
+_CIFAR_PICKLE_GLOBALS = {(module, name) for module in ("numpy.core.multiarray", "numpy._core.multiarray")
+                         for name in ("_reconstruct", "scalar")} | {("numpy", "ndarray"), ("numpy", "dtype"),
+                                                                    ("_codecs", "encode")}
 
 
 class _CifarUnpickler(pickle.Unpickler):
@@ -117,7 +119,7 @@ class _CifarUnpickler(pickle.Unpickler):
 
     def find_class(self, module, name):
         if (module, name) not in _CIFAR_PICKLE_GLOBALS:
-            raise pickle.UnpicklingError(f"{module}.{name} is not part of a CIFAR-10 batch (only numpy arrays are)")
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a CIFAR-10 batch (only numpy arrays and numbers are)")
         return super().find_class(module, name)
 
 

@@ -183,6 +183,8 @@ def train(setting: Setting, data, config: AlgorithmConfig, seed: int, lr: float 
     setting's learning-rate schedule, every step timed, and each worker's error-buffer
     norm read after each epoch."""
     setting = setting if lr is None else setting.with_(lr=lr)
+    if getattr(data, "train_augment", None) is not None:  # CIFAR-10's crops and flips: this seed's draws
+        data = replace(data, train_augment=data.train_augment.with_seed(seed))
     torch.manual_seed(seed)
     module = make_model(setting.model, data.image_shape, data.num_classes)
     optimizer = setting.protocol.optimizer_for(module, setting.lr)  # each worker's own, stacked

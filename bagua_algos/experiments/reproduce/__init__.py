@@ -60,7 +60,7 @@ from bagua_algos.experiments.reproduce.compare import QUANTITY_TITLE, compare
 from bagua_algos.experiments.reproduce.published import (TABLE_10, TABLE_11, THESIS_TABLE_4_1, THESIS_A, ALPHAS,
                                                          LR_GRID, RELAYSUM_TABLE2, SEED004_EXAMPLE)
 from bagua_algos.experiments.reproduce.sweeps import (sweep_argv, sweep_seeds, DIVERGED_ZERO, best_over_grid,
-                                                      tuned_over_seeds)
+                                                      bracket_lr)
 from bagua_algos.experiments.reproduce.seed000 import (THESIS_DIFFERS, seed000_fig4_1, seed000_fig4_2, seed000_fig4_5,
                                                        seed000_fig4_6, seed000_fig4_7, seed000_fig4_8,
                                                        seed000_table4_1)

@@ -6,19 +6,43 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from bagua_algos.experiments.data import CifarAugmentation
 from bagua_algos.experiments.lowcomm_frontier import lowcomm_frontier
+from bagua_algos.experiments.protocol import Protocol, protocol_named
 from bagua_algos.experiments.reproduce.cost import SeedCost
-from bagua_algos.experiments.reproduce.diloco import diloco_h
-from bagua_algos.experiments.reproduce.relaysum import relaysum_table2
+from bagua_algos.experiments.reproduce.diloco import DILOCO, diloco_h
+from bagua_algos.experiments.reproduce.relaysum import RELAYSUM_HALVES, RELAYSUM_SEED_RUNS, relaysum_table2
 from bagua_algos.experiments.reproduce.seed000 import (seed000_fig4_1, seed000_fig4_2, seed000_fig4_5,
                                                        seed000_fig4_6, seed000_fig4_7, seed000_fig4_8,
                                                        seed000_table4_1)
 from bagua_algos.experiments.reproduce.seed001 import (seed001_fig7, seed001_table1, seed001_table2,
                                                        seed001_table3, seed001_table4, seed001_table6,
                                                        seed001_table10, seed001_table11)
-from bagua_algos.experiments.reproduce.seed002 import (seed002_fig5_1, seed002_fig5_2, seed002_fig5_3,
-                                                       seed002_table_a)
+from bagua_algos.experiments.reproduce.seed002 import (SEED002_PROTOCOL, seed002_fig5_1, seed002_fig5_2,
+                                                       seed002_fig5_3, seed002_table_a)
+from bagua_algos.experiments.reproduce.settings import POWERSGD
 from bagua_algos.experiments.reproduce.seed004 import seed004_codec, seed004_fig1
+
+
+def weight_decay_words(protocol: Protocol) -> str:
+    """What ``protocol`` does with weight decay, read from its fields."""
+    if not protocol.weight_decay:
+        return f"protocol {protocol.name}: no weight decay"
+    where = "also on normalisation layers" if protocol.decay_norm else "0 on normalisation layers"
+    return f"protocol {protocol.name}: weight decay {protocol.weight_decay:g}, {where}"
+
+
+def seed_scale_training(protocols) -> str:
+    """The seed scale's data and training in words: the papers' CIFAR-10 pipeline and
+    the weight decay of each protocol it trains under."""
+    return (f"none in the data: the papers' CIFAR-10 pipeline ({CifarAugmentation().describe()}); "
+            + "; ".join(weight_decay_words(p) for p in protocols))
+
+
+# The protocols the seed scales train under, read from the experiments' own settings.
+POWERSGD_PROTOCOLS = (POWERSGD["seed"].protocol,)
+SEED002_PROTOCOLS = (protocol_named(SEED002_PROTOCOL[SEED002_PROTOCOL.index("--protocol") + 1]),)
+RELAYSUM_PROTOCOLS = tuple(protocol_named(flags[flags.index("--protocol") + 1]) for flags in RELAYSUM_HALVES.values())
 
 
 @dataclass(frozen=True)
@@ -28,10 +52,15 @@ class Experiment:
     summary: str
     run: Callable
     seed_scale: str  # what --scale seed runs, and its estimated time on one GPU (docs/results.md)
-    seed_scale_differs: str = ("no data augmentation (the seeds crop and flip); weight decay also on batch-norm "
-                               "parameters")
+    seed_scale_differs: str = ""  # empty: seed_scale_training(protocols)
     needs_data: bool = True  # the seed scale needs --data-dir
     cost: "SeedCost | None" = None  # the seed scale's training, for `estimate`
+    protocols: tuple = POWERSGD_PROTOCOLS  # the protocols the seed scale trains under
+
+    def __post_init__(self):
+        if not self.seed_scale_differs:
+            text = seed_scale_training(self.protocols) if self.needs_data else "none: no CIFAR-10 training"
+            object.__setattr__(self, "seed_scale_differs", text)
 
 
 EXPERIMENTS = [
@@ -89,21 +118,20 @@ EXPERIMENTS = [
                seed_scale_differs="torch.qr is today's, not the pre-1.9 one the seed timed"),
     Experiment("seed002-fig5.1", "seed 002 Figure 5.1", "RelaySGD on chain, binary tree, double binary tree x alpha",
                seed002_fig5_1, "CIFAR-10 VGG-11, 8 workers x 32, 200 epochs, lr grid of 5",
-               cost=SeedCost("vgg11", 135, 200, 8)),
+               cost=SeedCost("vgg11", 135, 200, 8), protocols=SEED002_PROTOCOLS),
     Experiment("seed002-fig5.2", "seed 002 Figure 5.2", "RelaySGD, D-PSGD and allreduce x alpha", seed002_fig5_2,
                "CIFAR-10 VGG-11, 8 workers x 32, 200 epochs, lr grid of 5",
-               cost=SeedCost("vgg11", 135, 200, 8)),
+               cost=SeedCost("vgg11", 135, 200, 8), protocols=SEED002_PROTOCOLS),
     Experiment("seed002-fig5.3", "seed 002 Figure 5.3", "RelaySGD against allreduce x alpha", seed002_fig5_3,
                "CIFAR-10 VGG-11, 8 workers x 32, 200 epochs, lr grid of 5",
-               cost=SeedCost("vgg11", 90, 200, 8)),
+               cost=SeedCost("vgg11", 90, 200, 8), protocols=SEED002_PROTOCOLS),
     Experiment("seed002-tableA", "seed 002 Tables A.1-A.3", "the 50-epoch learning-rate grid of every row",
                seed002_table_a, "CIFAR-10 VGG-11, 8 workers x 32, 50 epochs, lr grid of 5",
-               "no data augmentation (the sweep has none)",
-               cost=SeedCost("vgg11", 225, 50, 8)),
+               cost=SeedCost("vgg11", 225, 50, 8), protocols=SEED002_PROTOCOLS),
     Experiment("diloco-h", "DiLoCo (Douillard et al. 2023), its figure of H",
                "the number of inner steps H in {1, 10, 50, 200} against synchronous training", diloco_h,
                "CIFAR-10 ResNet-18, 8 workers x 128, 100 epochs",
-               cost=SeedCost("resnet18", 15, 100, 8)),
+               cost=SeedCost("resnet18", 15, 100, 8), protocols=(DILOCO["seed"].protocol,)),
     Experiment("lowcomm-frontier", "SparseLoCo, DeMo, SPARTA, (Streaming) DiLoCo papers: no common table",
                "the low-communication methods at two equal budgets of measured bytes per step, MNIST MLP and a "
                "character-level Transformer", lowcomm_frontier,
@@ -112,8 +140,8 @@ EXPERIMENTS = [
     Experiment("relaysum-table2", "RelaySum paper Table 2 (seed 002's source)",
                "all-reduce, RelaySum/Model (chain, trees), RelaySum/Grad, D-PSGD / quasi-global momentum, D², SGP x "
                "alpha, without and with momentum, 16 workers, the worst worker",
-               relaysum_table2, "CIFAR-10 VGG-11, 16 workers x 32, 200 epochs, a grid of 3 per half",
-               cost=SeedCost("vgg11", 378, 200, 16)),
+               relaysum_table2, "CIFAR-10 VGG-11, 16 workers x 32, 200 epochs, each row over its tuning script's "
+               "grid", cost=SeedCost("vgg11", RELAYSUM_SEED_RUNS, 200, 16), protocols=RELAYSUM_PROTOCOLS),
     Experiment("seed004-fig1", "seed 004 Figure 1 (and Figures 2-3: header and tail)",
                "the worked example of the 2-bit min-max codec", seed004_fig1, "the same (no data)",
                needs_data=False),

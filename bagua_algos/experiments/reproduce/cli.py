@@ -14,6 +14,7 @@ import torch
 from bagua_algos.experiments.reproduce.catalog import BY_NAME, EXPERIMENTS, list_experiments
 from bagua_algos.experiments.reproduce.context import Context
 from bagua_algos.experiments.reproduce.cost import estimate
+from bagua_algos.experiments.reproduce.sweeps import LR_EXTEND
 
 
 SCALES = ("proxy", "seed")
@@ -34,7 +35,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=None, help="override the scale's epochs (shorter runs)")
     p.add_argument("--workers", type=int, default=None, help="override the scale's number of workers")
     p.add_argument("--max-steps", type=int, default=None, help="cut every epoch to this many steps (smoke runs)")
+    p.add_argument("--lr-extend", type=int, default=LR_EXTEND,
+                   help="where a tuned rate is the best at an edge of its grid, extend the grid by halving "
+                        "below / doubling above and train the new rate, at most N times (default 3; 0: the grid "
+                        "as given); a row still best at an edge is marked 'at edge'")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the machine is shared)")
+    p.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="where the runs of the experiments built on the heterogeneity sweep train (seed002-*, "
+                        "relaysum-table2): local (default) or ray, each run one Ray task (docs/cli.md)")
+    p.add_argument("--ray-address", default=None,
+                   help="with --executor ray: the cluster's HOST:PORT or auto (default: start a Ray here)")
+    p.add_argument("--gpus-per-run", type=float, default=None,
+                   help="with --device cuda: GPUs each sweep run holds (default 1; a fraction shares a GPU)")
     p.add_argument("--gpu-tflops", type=float, default=40.0,
                    help="for estimate: the sustained TFLOP/s assumed of one GPU (default 40)")
     return p
@@ -50,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                      f"{', '.join(BY_NAME)}")
     if not (math.isfinite(args.gpu_tflops) and args.gpu_tflops > 0):
         parser.error(f"argument --gpu-tflops: expected a positive number, got {args.gpu_tflops}")
+    check_executor(parser, args)
+    if args.lr_extend < 0:
+        parser.error(f"argument --lr-extend: expected an integer >= 0, got {args.lr_extend}")
     for name in ("seeds", "epochs", "workers", "max_steps", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -69,6 +84,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         except FileNotFoundError as err:
             parser.error(f"argument --data-dir: --scale seed of {args.experiment} trains on CIFAR-10: {err}")
     return args
+
+
+def check_executor(parser, args) -> None:
+    """``--executor ray``: Ray installed and ``--ray-address`` answering, and a sane
+    ``--gpus-per-run``, before any work starts (one line, exit 2)."""
+    if args.gpus_per_run is not None and not (math.isfinite(args.gpus_per_run) and args.gpus_per_run > 0):
+        parser.error(f"argument --gpus-per-run: expected a positive number, got {args.gpus_per_run}")
+    if args.executor != "ray":
+        if args.ray_address is not None:
+            parser.error(f"argument --ray-address: {args.ray_address!r} is where --executor ray sends the runs; add "
+                         "--executor ray, or leave --ray-address out")
+        return
+    from bagua_algos.experiments.sweep.executors import ExecutorError, check_reachable, import_ray
+
+    try:
+        if not import_ray().is_initialized():
+            check_reachable(args.ray_address)
+    except ExecutorError as err:
+        parser.error(f"argument {err.flag}: {err.reason}")
 
 
 def main(argv=None) -> int:

@@ -13,6 +13,7 @@ from bagua_algos.experiments.reproduce.context import Context, check_memory
 from bagua_algos.experiments.reproduce.output import pct, plot_curves, print_table
 from bagua_algos.experiments.reproduce.rows import Row, build_config
 from bagua_algos.experiments.reproduce.settings import POWERSGD_DIFFERS, POWERSGD_SEED_TEXT
+from bagua_algos.experiments.reproduce.sweeps import bracket_lr, lr_extend
 
 
 QUANTITY_TITLE = {"workers_mean": "workers' test acc (mean over workers)",
@@ -42,6 +43,7 @@ def compare(ctx: Context, family: dict, rows: list[Row], seed_columns: list[str]
         configs.append((row, config))
     runs: dict[str, list] = {}
     lrs: dict[str, float] = {}
+    at_edge: dict[str, bool] = {}
     for row, config in configs:
         if config is None:
             continue
@@ -51,14 +53,7 @@ def compare(ctx: Context, family: dict, rows: list[Row], seed_columns: list[str]
         lr = row_setting.lr
         trials: dict = {}
         if row.lr_grid:
-            # tuned apart, as the seed tuned these rows, on the mean final accuracy over
-            # every seed (a diverged run counts −1): a rate one seed survives and another
-            # does not (Random Block, Random K near their stability limit) is not chosen
-            for g in row.lr_grid:
-                trials[g] = [rt.train(row_setting, data, config, seed, g, ctx.device) for seed in ctx.seeds]
-            lr = max(trials, key=lambda g: statistics.mean(-1 if r.diverged else r.headline(row_setting.protocol)
-                                                           for r in trials[g]))
-            print(f"   {row.label}: lr tuned over {list(row.lr_grid)} on {len(ctx.seeds)} seeds -> {lr:g}")
+            lr, at_edge[row.label] = tune_row(ctx, row, row_setting, data, config, trials)
         lrs[row.label] = lr
         runs[row.label] = []
         for k, seed in enumerate(ctx.seeds):
@@ -88,14 +83,16 @@ def compare(ctx: Context, family: dict, rows: list[Row], seed_columns: list[str]
         record.update({"quantity": setting.protocol.quantity, "protocol": setting.protocol.describe(setting.epochs),
                        "workers_accuracy_worst": worst, "averaged_model_accuracy": averaged})
         record.update({"test_accuracy_mean": mean, "test_accuracy_min": low, "test_accuracy_max": high,
-                       "lr": lrs[row.label], "seeds": len(ctx.seeds)})
+                       "lr": lrs[row.label], "lr_at_edge": at_edge.get(row.label, ""), "seeds": len(ctx.seeds)})
         cells.append(pct(mean, low, high))
         # the worst worker's and the averaged model's (mean over seeds): equal to the
         # headline for an algorithm that keeps every worker's model equal
         cells.append("same" if math.isclose(worst, mean, abs_tol=1e-9) and math.isclose(averaged, mean, abs_tol=1e-9)
                      else f"{100 * worst:.1f}% | {100 * averaged:.1f}%")
         if lr_label:
-            cells.append(f"{lrs[row.label]:g}")
+            cells.append(f"{lrs[row.label]:g}" + (" (at edge)" if at_edge.get(row.label) else ""))
+        elif at_edge.get(row.label):
+            cells[0] += f" (lr {lrs[row.label]:g} at edge)"
         if data_column:
             mib = sent[row.label] * steps / 2**20
             ratio = sent[base] / sent[row.label] if sent.get(row.label) else float("nan")
@@ -129,3 +126,22 @@ def compare(ctx: Context, family: dict, rows: list[Row], seed_columns: list[str]
         print(f"   wrote {ctx.path('.png')}")
     ctx.runs = runs
     return out_rows
+
+
+def tune_row(ctx: Context, row: Row, setting, data, config, trials: dict) -> tuple[float, bool]:
+    """The row's rate tuned apart, as the seed tuned these rows, on the mean final
+    accuracy over every seed (a diverged run counts -1, below any accuracy): a rate one
+    seed survives and another does not (Random Block, Random K near their stability
+    limit) is not chosen. The grid is extended where its best is at an edge
+    (:func:`~sweeps.bracket_lr`, at most ``--lr-extend`` rates); ``trials`` gets every
+    rate's runs. Returns (the rate, whether it is still at the grid's edge)."""
+    def evaluate(rates):
+        for g in rates:
+            trials[g] = [rt.train(setting, data, config, seed, g, ctx.device) for seed in ctx.seeds]
+        return {g: statistics.mean(-1 if r.diverged else r.headline(setting.protocol) for r in trials[g])
+                for g in rates}
+
+    lr, scores, edge = bracket_lr(row.lr_grid, evaluate, lr_extend(ctx))
+    print(f"   {row.label}: lr tuned over {sorted(scores)} (given {list(row.lr_grid)}) on {len(ctx.seeds)} seeds "
+          f"-> {lr:g}{' (at edge)' if edge else ''}")
+    return lr, edge

@@ -21,7 +21,7 @@ class Context:
         self.experiment = experiment
         self.scale = args.scale
         self.out = Path(args.out)
-        self.out.mkdir(parents=True, exist_ok=True)
+        check_out(self.out)
         self.device = torch.device(args.device)
         self.seeds = list(range(args.seeds))
         self.runs = {}  # label -> [Run per seed] of the last comparison (for a figure's extra panels)
@@ -37,6 +37,18 @@ class Context:
         if dataset not in self._data:
             self._data[dataset] = rt.load(dataset, self.args.data_dir, 0, self.device)
         return self._data[dataset]
+
+    def sweep_flags(self) -> list[str]:
+        """What the heterogeneity sweeps of this experiment add to their arguments, kept out
+        of the hash that names a sweep's folder (they do not change its runs): where the runs
+        train (``--executor``, ``--ray-address``, ``--gpus-per-run``), and ``--lr-extend 0``,
+        since reproduce brackets each row's rate itself, over the seeds (``sweeps.bracket_lr``)."""
+        flags = ["--lr-extend", "0", "--executor", getattr(self.args, "executor", "local")]
+        if getattr(self.args, "ray_address", None):
+            flags += ["--ray-address", self.args.ray_address]
+        if getattr(self.args, "gpus_per_run", None) is not None:
+            flags += ["--gpus-per-run", f"{self.args.gpus_per_run:g}"]
+        return flags
 
     def path(self, suffix: str) -> Path:
         return self.out / f"{self.experiment.name}{suffix}"
@@ -56,6 +68,22 @@ class Context:
             writer.writeheader()
             writer.writerows(rows)
         return path
+
+
+def check_out(out: Path) -> None:
+    """``--out`` must be a folder this process can create and write in, checked before
+    any training (a file is created there and removed); else one line naming it, exit 2
+    (argparse's status for a bad argument)."""
+    import tempfile
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-check-"):
+            pass
+    except OSError as error:
+        print(f"reproduce: error: argument --out: cannot write in {str(out)!r} ({error.strerror or error}); give a "
+              "folder you can create and write in", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def describe_device(device) -> str:

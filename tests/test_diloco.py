@@ -21,15 +21,17 @@ from bagua_algos.experiments.gloo_workers import run_workers
 N, STEPS = 4, 13  # 13: the run ends between synchronisations
 
 
-def _oracle(sync_every, outer_lr, outer_momentum, nesterov, fragments, overlap=0, merge_alpha=None, steps=STEPS):
+def _oracle(sync_every, outer_lr, outer_momentum, nesterov, fragments, overlap=0, merge_alpha=None, steps=STEPS,
+            fragment_pattern="strided"):
     """[N, d] parameters (registration order) after ``steps`` steps, from the rule alone.
 
     With ``overlap`` τ ≥ 1 (Streaming DiLoCo): at fragment p's synchronisation step t the
     averaged Δ is taken (and held: it travels during τ steps); after step t + τ the outer
     SGD steps on it and every copy becomes α θ_i + (1 − α) θ_outer, α = ``merge_alpha``
-    (the paper's 0.5 when None)."""
+    (the paper's 0.5 when None). Fragments: layer j (bucket order) in fragment j mod F
+    (``"strided"``), or consecutive runs of about equal size (``"sequential"``)."""
     alpha = 0.5 if merge_alpha is None else merge_alpha
-    from bagua_algos.algorithms.diloco import fragment_groups
+    from bagua_algos.algorithms.diloco import fragment_groups, strided_fragment_groups
     from samplers import WorkerShares
 
     x, y = engine_cases.data()
@@ -38,7 +40,9 @@ def _oracle(sync_every, outer_lr, outer_momentum, nesterov, fragments, overlap=0
     names = [name for name, _ in models[0].named_parameters()]
     order = list(reversed(names))  # the runtime's bucket order
     sizes = [dict(models[0].named_parameters())[name].numel() for name in order]
-    groups = [[order[i] for i in group] for group in fragment_groups(sizes, fragments)]
+    by_index = (strided_fragment_groups([name.rsplit(".", 1)[0] for name in order], fragments)
+                if fragment_pattern == "strided" else fragment_groups(sizes, fragments))
+    groups = [[order[i] for i in group] for group in by_index]
     outer = {name: p.detach().clone().requires_grad_() for name, p in models[0].named_parameters()}
     outer_opts = [torch.optim.SGD([outer[name] for name in group], lr=outer_lr, momentum=outer_momentum,
                                   nesterov=nesterov) for group in groups]
@@ -124,6 +128,9 @@ SETTINGS = [
     ("streaming", {"sync_every": 4, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, "fragments": 2}),
     ("three_fragments", {"sync_every": 3, "outer_lr": 0.9, "outer_momentum": 0.5, "nesterov": True,
                          "fragments": 3}),
+    # the sequential cut (consecutive runs of about equal size) instead of the strided default
+    ("streaming_sequential", {"sync_every": 4, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True,
+                              "fragments": 2, "fragment_pattern": "sequential"}),
     # Streaming DiLoCo's overlap: one fragment τ = 2 steps in flight, the paper's α = 0.5
     ("overlap", {"sync_every": 4, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, "fragments": 1,
                  "overlap": 2}),
@@ -253,6 +260,8 @@ def test_a_checkpoint_between_an_overlapped_sync_and_its_merge_resumes_exactly()
     ({"overlap": 1.5}, "overlap"),
     ({"merge_alpha": 0.5}, "merge_alpha=0.5 .* needs overlap >= 1"),
     ({"overlap": 1, "merge_alpha": 1.5}, "merge_alpha must be a number in \\[0, 1\\]"),
+    ({"fragments": 2, "fragment_pattern": "interleaved"}, "fragment_pattern must be one of \\['strided', 'sequential'\\]"),
+    ({"fragments": 2, "fragment_pattern": None}, "fragment_pattern must be one of"),
 ])
 def test_bad_arguments_are_refused_by_name(kwargs, match):
     from bagua_algos.algorithms import DiLoCoAlgorithm
@@ -305,3 +314,35 @@ def test_an_overlapped_checkpoint_resumed_without_overlap_takes_its_outer_step()
     for before, after, takes_outer in run_workers(_resume_without_overlap_worker, 2, timeout=90):
         assert (before, after) == (0, 1)
         assert takes_outer
+
+
+def test_strided_fragments_deal_the_layers_round_robin():
+    """Streaming DiLoCo's strided pattern: layer j (bucket order) in fragment j mod F, a
+    layer's tensors together; F capped at the number of layers; the sequential cut kept."""
+    from bagua_algos.algorithms.diloco import fragment_groups, layer_of, strided_fragment_groups
+
+    names = ["4.bias", "4.weight", "2.bias", "2.weight", "0.bias", "0.weight"]
+    layers = [layer_of(n) for n in names]
+    assert layers == ["4", "4", "2", "2", "0", "0"]
+    assert strided_fragment_groups(layers, 2) == [[0, 1, 4, 5], [2, 3]]
+    assert strided_fragment_groups(layers, 3) == [[0, 1], [2, 3], [4, 5]]
+    assert strided_fragment_groups(layers, 5) == [[0, 1], [2, 3], [4, 5]]  # three layers: three fragments
+    assert strided_fragment_groups(["a", "b", "c", "d", "e"], 2) == [[0, 2, 4], [1, 3]]
+    assert layer_of("blocks.3.attn.weight") == "blocks.3.attn" and layer_of("scale") == "scale"
+    # the sequential cut of the same sizes differs (consecutive runs)
+    assert fragment_groups([4, 64, 16, 384, 24, 288], 2) == [[0, 1, 2, 3], [4, 5]]
+
+
+def test_streaming_defaults_to_the_strided_pattern_on_the_engine():
+    from bagua_algos import Algorithm
+    from bagua_algos.algorithms import DiLoCoAlgorithm
+    from bagua_algos.engine import Engine
+
+    assert DiLoCoAlgorithm(sync_every=4, fragments=2).fragment_pattern == "strided"
+    buckets = {}
+    for pattern in ("strided", "sequential"):
+        engine = Engine(engine_cases.model(), 2, Algorithm.init("diloco", sync_every=4, fragments=2,
+                                                                fragment_pattern=pattern), engine_cases.optimizer)
+        buckets[pattern] = [[t.bagua_tensor_name for t in b.tensors] for b in engine.runtime.bagua_buckets]
+    assert buckets["strided"] == [["4.bias", "4.weight", "0.bias", "0.weight"], ["2.bias", "2.weight"]]
+    assert buckets["sequential"] != buckets["strided"]

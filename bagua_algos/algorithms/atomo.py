@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from ..arguments import check_flag, check_int, check_seed
-from ..compression.atomo import AtomoCodec
+from ..arguments import check_choice, check_flag, check_int, check_seed
+from ..compression.atomo import ATOMO_VIEWS, AtomoCodec
 from ..runtime.algorithm import GlobalAlgorithmRegistry
 from .allgather_compression import AllgatherCompressionAlgorithm
 
@@ -37,17 +37,22 @@ class AtomoAlgorithm(AllgatherCompressionAlgorithm):
         error_feedback: keep a − U'V'ᵀ and add it to the next contribution (False: the
             seed's setting).
         seed: rank r draws its components from a CPU generator seeded ``rank_seed(seed, r)``.
+        matrix_view: how a tensor is viewed as a matrix: ``"powersgd"`` (shape[0] × rest, so
+            Atomo's bytes equal PowerSGD's at the same rank) or ``"seed"`` (seed 001's code:
+            a vector as N/2 × 2, a convolution as (out·in/2) × (2·k·k); fewer rows, less
+            compression, Table 6's budget; :mod:`bagua_algos.compression.atomo`).
     """
 
     samples = True
 
-    def __init__(self, rank: int = 2, error_feedback: bool = False, seed: int = 0):
+    def __init__(self, rank: int = 2, error_feedback: bool = False, seed: int = 0, matrix_view: str = "powersgd"):
         self.rank = check_int("rank", rank, 1)
         self.error_feedback = check_flag("error_feedback", error_feedback)
         self.seed = check_seed(seed)
+        self.matrix_view = check_choice("matrix_view", matrix_view, ATOMO_VIEWS)
 
     def make_codec(self, shapes: list, dtype: torch.dtype) -> AtomoCodec:
-        return AtomoCodec(shapes, self.rank, dtype)
+        return AtomoCodec(shapes, self.rank, dtype, self.matrix_view)
 
 
 GlobalAlgorithmRegistry.register(

@@ -19,6 +19,14 @@ The inner optimizer's state is kept across rounds (the paper's). With ``outer_lr
 ``allreduce_average(communication_interval=H)`` with DiLoCo's schedule (after steps H,
 2H, … instead of Bagua's 1, H + 1, …).
 
+Fragments (``fragments=F``): the parameters are cut into F groups of whole layers (a
+layer: the tensors of one module, named alike but for their last dotted part). With
+``fragment_pattern="strided"`` (the default) layer j, counted in the runtime's bucket
+order, goes to fragment j mod F, so every fragment spans the depth of the network: the
+pattern Streaming DiLoCo (Douillard et al. 2025) prefers, its strided pattern having
+been slightly better than the sequential one in its comparison of the two.
+``"sequential"`` cuts consecutive runs of whole tensors of about equal size instead.
+
 Overlap (Streaming DiLoCo, ``overlap=τ`` ≥ 1): the allreduce of fragment f's Δ starts
 after inner step t and the worker trains on; after inner step t + τ it waits for the
 result, takes the outer step 3 (from θ_outer and the Δ of step t: the outer copy and
@@ -76,7 +84,7 @@ if TYPE_CHECKING:
     from ..runtime.ddp import BaguaDistributedDataParallel
 
 __all__ = ["DiLoCoAlgorithm", "DiLoCoAlgorithmImpl", "DILOCO_COMPRESSIONS", "fragment_syncs_at", "fragment_groups",
-           "outer_sgd_step_", "STREAMING_MERGE_ALPHA"]
+           "strided_fragment_groups", "layer_of", "FRAGMENT_PATTERNS", "outer_sgd_step_", "STREAMING_MERGE_ALPHA"]
 
 DILOCO_COMPRESSIONS = (None, "fp16", "bf16", "minmax8", "minmax4")
 _CAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -90,6 +98,31 @@ def fragment_syncs_at(step: int, fragment: int, fragments: int, sync_every: int)
     ``step`` (from 1): (step − fragment·⌊H/F⌋) mod H = 0."""
     shifted = step - fragment * (sync_every // fragments)
     return shifted >= 0 and step >= 1 and shifted % sync_every == 0
+
+
+#: How the parameters are cut into fragments: "strided" (Streaming DiLoCo's preferred) first.
+FRAGMENT_PATTERNS = ("strided", "sequential")
+
+
+def layer_of(name: str) -> str:
+    """The layer a parameter named ``name`` belongs to: the name without its last dotted
+    part (``"blocks.3.attn.weight"`` → ``"blocks.3.attn"``); a name with no dot is its
+    own layer."""
+    return name.rsplit(".", 1)[0] if "." in name else name
+
+
+def strided_fragment_groups(layers: list, fragments: int) -> list:
+    """Streaming DiLoCo's strided pattern: ``layers`` gives each tensor's layer (any
+    hashable key, in bucket order); the distinct layers, numbered j = 0, 1, … in order of
+    first appearance, go to fragment j mod F, and each group lists its tensors' indices
+    in bucket order. F is capped at the number of layers (no fragment is empty)."""
+    order = list(dict.fromkeys(layers))
+    fragments = min(fragments, len(order))
+    index = {layer: j % fragments for j, layer in enumerate(order)}
+    groups = [[] for _ in range(fragments)]
+    for i, layer in enumerate(layers):
+        groups[index[layer]].append(i)
+    return groups
 
 
 def fragment_groups(numels: list, fragments: int) -> list:
@@ -156,8 +189,11 @@ class DiLoCoAlgorithmImpl(ModelAveragingAlgorithmImpl):
         flat = [t for group in tensors for t in group]
         if not flat:
             raise ValueError("DiLoCoAlgorithm: the module has no parameter that requires grad")
-        numels = [worker_numel(t) for t in flat]  # a worker's
-        groups = fragment_groups(numels, self.settings.fragments)
+        # (a subclass's settings without the argument, SparseLoCo's one fragment: the default)
+        if getattr(self.settings, "fragment_pattern", FRAGMENT_PATTERNS[0]) == "strided":
+            groups = strided_fragment_groups([layer_of(t.bagua_tensor_name) for t in flat], self.settings.fragments)
+        else:
+            groups = fragment_groups([worker_numel(t) for t in flat], self.settings.fragments)  # a worker's sizes
         return [BaguaBucket([flat[i] for i in group], flatten=do_flatten, name=f"fragment{f}")
                 for f, group in enumerate(groups)]
 
@@ -296,8 +332,11 @@ class DiLoCoAlgorithm(Algorithm):
         outer_lr: η of the outer SGD (> 0; DiLoCo's 0.7).
         outer_momentum: μ of the outer SGD, in [0, 1) (DiLoCo's 0.9).
         nesterov: Nesterov momentum in the outer step (DiLoCo's; needs μ > 0).
-        fragments: F, the parameters cut into F fragments of whole tensors, fragment f
+        fragments: F, the parameters cut into F fragments of whole layers, fragment f
             synchronised at steps f·⌊H/F⌋ + kH (Streaming DiLoCo; 1: all at once).
+        fragment_pattern: ``"strided"`` (layer j to fragment j mod F: Streaming DiLoCo's
+            preferred pattern, the default) or ``"sequential"`` (consecutive runs of whole
+            tensors of about equal size). Only matters with ``fragments`` ≥ 2.
         overlap: τ, the inner steps between the start of a fragment's allreduce and its
             outer step (Streaming DiLoCo; 0: at once, plain DiLoCo). Less than
             ⌊sync_every / fragments⌋.
@@ -311,7 +350,8 @@ class DiLoCoAlgorithm(Algorithm):
     """
 
     def __init__(self, sync_every: int = 500, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 nesterov: bool = True, fragments: int = 1, overlap: int = 0, merge_alpha=None, compression=None):
+                 nesterov: bool = True, fragments: int = 1, overlap: int = 0, merge_alpha=None, compression=None,
+                 fragment_pattern: str = "strided"):
         self.sync_every = check_int("sync_every", sync_every, 1, what="the inner steps between outer steps, >= 1")
         self.outer_lr = check_real("outer_lr", outer_lr, 0.0, low_open=True, what="a finite number > 0 (DiLoCo: 0.7)")
         self.outer_momentum = check_real("outer_momentum", outer_momentum, 0.0, 1.0, high_open=True,
@@ -324,6 +364,7 @@ class DiLoCoAlgorithm(Algorithm):
         if self.fragments > self.sync_every:
             raise ValueError(f"fragments={self.fragments} staggers the fragments by ⌊H/F⌋ steps, so it must be at "
                              f"most sync_every={self.sync_every}")
+        self.fragment_pattern = check_choice("fragment_pattern", fragment_pattern, FRAGMENT_PATTERNS)
         spacing = self.sync_every // self.fragments
         self.overlap = check_int("overlap", overlap, 0, spacing,
                                  what=f"an int >= 0 and < ⌊sync_every/fragments⌋ = {spacing} (the steps between two "

@@ -70,4 +70,4 @@ def test_elastic_faults_outside_a_checkout_says_it_needs_one(monkeypatch, tmp_pa
         cli.main(["elastic-faults", "--runs", "1"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert "fault_tolerance.py is not there" in err and "pip install -e ." in err
+    assert "fault_tolerance.py is not there" in err and "pip install -e '.[experiments]'" in err

@@ -399,12 +399,7 @@ def step_faults(workdir: Path, mode: str, *, nproc=4, duration=300.0, kill_every
                  "--checkpoints", str(workdir / "checkpoints"), "--save_every", str(save_every), *common[2:]],
                 env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         # the clock starts at the first step logged (not at the imports)
-        t_start = time.time()
-        while not any(r.get("step") is not None for f in logs.glob("*.jsonl") for r in _read_jsonl(f)):
-            if time.time() - t_start > 300:
-                tail = (workdir / "launcher.out").read_text()[-3000:] if launcher else ""
-                raise RuntimeError(f"{mode}: no step within 300 s\n{tail}")
-            time.sleep(0.2)
+        _wait_for_a_step(logs, mode, (workdir / "launcher.out") if launcher else None)
         t0 = time.time()
         next_kill = t0 + kill_every
         while time.time() < t0 + duration:
@@ -418,20 +413,10 @@ def step_faults(workdir: Path, mode: str, *, nproc=4, duration=300.0, kill_every
                 kills.append({"t": time.time(), "victim": victim})
                 procs[victim].wait()
                 start(victim)  # a scheduler's restart: it joins the quorum and heals
-            else:
-                starts = {f.stem: [r for r in _read_jsonl(f) if "pid" in r] for f in logs.glob("rank*.jsonl")}
-                newest = max((r["restart"] for rs in starts.values() for r in rs), default=0)
-                pids = {who: rs[-1]["pid"] for who, rs in starts.items() if rs and rs[-1]["restart"] == newest}
-                if len(pids) < nproc:  # the agent is still starting the round: try again in a moment
-                    next_kill = time.time() + 0.5
-                    continue
-                victim = rng.choice(sorted(pids))
-                try:
-                    os.kill(pids[victim], signal.SIGKILL)
-                    kills.append({"t": time.time(), "victim": victim})
-                    next_kill += kill_every
-                except ProcessLookupError:
-                    next_kill = time.time() + 0.5
+            elif _kill_a_worker_of_the_round(logs, nproc, rng, kills):
+                next_kill += kill_every
+            else:  # the agent is still starting the round, or the worker had gone: again in a moment
+                next_kill = time.time() + 0.5
         t_end = time.time()
         last = max((r["step"] for f in logs.glob("*.jsonl") for r in _read_jsonl(f) if "step" in r), default=0)
         stop_file.write_text(str(last + 20))
@@ -452,6 +437,35 @@ def step_faults(workdir: Path, mode: str, *, nproc=4, duration=300.0, kill_every
     result.update(mode=mode, nproc=nproc, duration=round(t_end - t0, 1), kill_every=kill_every, label=label,
                   save_every=None if torchft_mode else save_every)
     return result
+
+
+def _wait_for_a_step(logs: Path, mode: str, launcher_out: Path | None, limit: float = 300.0) -> None:
+    """Wait until a worker has logged a step; past ``limit`` s, raise with the tail of
+    the launcher's output (restart modes)."""
+    t_start = time.time()
+    while not any(r.get("step") is not None for f in logs.glob("*.jsonl") for r in _read_jsonl(f)):
+        if time.time() - t_start > limit:
+            tail = launcher_out.read_text()[-3000:] if launcher_out is not None else ""
+            raise RuntimeError(f"{mode}: no step within {limit:.0f} s\n{tail}")
+        time.sleep(0.2)
+
+
+def _kill_a_worker_of_the_round(logs: Path, nproc: int, rng: random.Random, kills: list[dict]) -> bool:
+    """SIGKILL a random worker of the agent's newest round (its pids from the workers'
+    start records), recorded in ``kills``. False, killing nothing, while fewer than
+    ``nproc`` workers of that round have started, or when the victim had exited."""
+    starts = {f.stem: [r for r in _read_jsonl(f) if "pid" in r] for f in logs.glob("rank*.jsonl")}
+    newest = max((r["restart"] for rs in starts.values() for r in rs), default=0)
+    pids = {who: rs[-1]["pid"] for who, rs in starts.items() if rs and rs[-1]["restart"] == newest}
+    if len(pids) < nproc:
+        return False
+    victim = rng.choice(sorted(pids))
+    try:
+        os.kill(pids[victim], signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    kills.append({"t": time.time(), "victim": victim})
+    return True
 
 
 def measure_step_faults(logs: Path, kills: list[dict], t0: float, t_end: float, torchft_mode: bool) -> dict:

@@ -1,4 +1,9 @@
-"""The collectives and point-to-point calls with Bagua's names and signatures."""
+"""The collectives and point-to-point calls with Bagua's names and signatures.
+
+Each opens with :func:`_open` (itself or through the collective it forwards to): the
+target communicator, nothing done outside it, its tensors checked; then it checks what
+is its own (sizes, ranks, the operator) and launches its torch.distributed call, its
+tensors moved through :class:`~.staging._Staging`."""
 
 from __future__ import annotations
 
@@ -22,14 +27,72 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+_ABSENT = object()  # a tensor argument the collective does not take (None is a bad tensor)
+
+
+def _open(what: str, comm, group, tensor=_ABSENT, *, send=_ABSENT, recv=_ABSENT, sizes=None):
+    """The opening every collective shares: (the target communicator, what its rank
+    arguments are: see :func:`~.checks._target`), or (None, None) where this process is
+    not one of its members, for which the call does nothing and returns
+    ``_skip(async_op)``. A member's tensors are checked first, in this order: ``tensor``
+    (an in-place collective's, written in place, so contiguous), ``send`` (read, so any
+    strides), ``recv`` (written in place, so contiguous); with both ``send`` and ``recv``,
+    then ``sizes()`` (how their element counts must relate, where that is named before
+    a dtype mismatch) and the check that they share a dtype."""
+    c, ranks = _target(comm, group, what)
+    if not c.is_member():
+        return None, None
+    if tensor is not _ABSENT:
+        _check_tensor("tensor", tensor)
+    if send is not _ABSENT:
+        _check_tensor("send_tensor", send, contiguous=False)
+    if recv is not _ABSENT:
+        _check_tensor("recv_tensor", recv)
+    if send is not _ABSENT and recv is not _ABSENT:
+        if sizes is not None:
+            sizes()
+        _check_same_dtype("send_tensor", send, "recv_tensor", recv)
+    return c, ranks
+
+
+def _check_same_shape(send_tensor: torch.Tensor, recv_tensor: torch.Tensor) -> None:
+    if recv_tensor.shape != send_tensor.shape:
+        raise ValueError(
+            f"recv_tensor shape {tuple(recv_tensor.shape)} differs from send_tensor shape {tuple(send_tensor.shape)}"
+        )
+
+
+def _check_same_numel(send_tensor: torch.Tensor, recv_tensor: torch.Tensor) -> None:
+    """recv_tensor.numel() == send_tensor.numel() (the shapes may differ)."""
+    if recv_tensor.numel() != send_tensor.numel():
+        raise ValueError(
+            f"recv_tensor must have as many elements as send_tensor ({send_tensor.numel()}), got {recv_tensor.numel()}"
+        )
+
+
+def _check_nranks_chunks(whole_name: str, whole: torch.Tensor, chunk_name: str, chunk: torch.Tensor, n: int,
+                         where: str) -> None:
+    """``whole`` holds one ``chunk``-sized piece per rank: numel = n × chunk.numel()."""
+    if whole.numel() != n * chunk.numel():
+        raise ValueError(
+            f"{whole_name} must have nranks x {chunk_name}.numel() = {n} x {chunk.numel()} = "
+            f"{n * chunk.numel()} elements {where}, got {whole.numel()}"
+        )
+
+
+def _check_divisible(name: str, tensor: torch.Tensor, n: int) -> None:
+    """``tensor`` splits into n equal chunks, one per rank (n = 0 is not checked)."""
+    if n and tensor.numel() % n:
+        raise ValueError(f"{name}.numel() = {tensor.numel()} must be divisible by the number of ranks ({n})")
+
+
 @_stacked.dispatch(_stacked.allreduce_inplace)
 def allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm=None, *, group=None,
                       async_op: bool = False):
     """``tensor`` ← reduction over the communicator of every member's ``tensor``."""
-    c, _ = _target(comm, group, "allreduce_inplace")
-    if not c.is_member():
+    c, _ = _open("allreduce_inplace", comm, group, tensor)
+    if c is None:
         return _skip(async_op)
-    _check_tensor("tensor", tensor)
     op = _reduce_op(op, tensor)
     torch_op, finishers = _op_and_finish(op, c, tensor)
     _count(_nbytes(tensor))
@@ -42,16 +105,10 @@ def allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm=No
 def allreduce(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm=None, *,
               group=None, async_op: bool = False):
     """``recv_tensor`` ← reduction of every member's ``send_tensor``; ``send_tensor`` is kept."""
-    c, _ = _target(comm, group, "allreduce")
-    if not c.is_member():
+    c, _ = _open("allreduce", comm, group, send=send_tensor, recv=recv_tensor,
+                 sizes=lambda: _check_same_shape(send_tensor, recv_tensor))
+    if c is None:
         return _skip(async_op)
-    _check_tensor("send_tensor", send_tensor, contiguous=False)
-    _check_tensor("recv_tensor", recv_tensor)
-    if recv_tensor.shape != send_tensor.shape:
-        raise ValueError(
-            f"recv_tensor shape {tuple(recv_tensor.shape)} differs from send_tensor shape {tuple(send_tensor.shape)}"
-        )
-    _check_same_dtype("send_tensor", send_tensor, "recv_tensor", recv_tensor)
     op = _reduce_op(op, send_tensor)
     if recv_tensor.data_ptr() != send_tensor.data_ptr():
         recv_tensor.copy_(send_tensor)
@@ -61,10 +118,9 @@ def allreduce(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: ReduceOp
 @_stacked.dispatch(_stacked.broadcast)
 def broadcast(tensor: torch.Tensor, src: int = 0, comm=None, *, group=None, async_op: bool = False):
     """Every member's ``tensor`` ← ``tensor`` of rank ``src`` (see the module's note on ranks)."""
-    c, ranks = _target(comm, group, "broadcast")
-    if not c.is_member():
+    c, ranks = _open("broadcast", comm, group, tensor)
+    if c is None:
         return _skip(async_op)
-    _check_tensor("tensor", tensor)
     src = _global_rank(c, ranks, src, "src")
     if get_rank() == src:
         _count(_nbytes(tensor))
@@ -78,16 +134,10 @@ def reduce(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, op: R
            *, group=None, async_op: bool = False):
     """``recv_tensor`` of rank ``dst`` ← reduction of every member's ``send_tensor``.
     ``send_tensor`` is kept everywhere; other members' ``recv_tensor`` is untouched."""
-    c, ranks = _target(comm, group, "reduce")
-    if not c.is_member():
+    c, ranks = _open("reduce", comm, group, send=send_tensor, recv=recv_tensor,
+                     sizes=lambda: _check_same_numel(send_tensor, recv_tensor))
+    if c is None:
         return _skip(async_op)
-    _check_tensor("send_tensor", send_tensor, contiguous=False)
-    _check_tensor("recv_tensor", recv_tensor)
-    if recv_tensor.numel() != send_tensor.numel():
-        raise ValueError(
-            f"recv_tensor must have as many elements as send_tensor ({send_tensor.numel()}), got {recv_tensor.numel()}"
-        )
-    _check_same_dtype("send_tensor", send_tensor, "recv_tensor", recv_tensor)
     op = _reduce_op(op, send_tensor)
     dst = _global_rank(c, ranks, dst, "dst")
     if get_rank() == dst:
@@ -104,10 +154,9 @@ def reduce_inplace(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, 
                    async_op: bool = False):
     """``tensor`` of rank ``dst`` ← reduction of every member's ``tensor``; the other
     members' ``tensor`` is left unchanged."""
-    c, ranks = _target(comm, group, "reduce_inplace")
-    if not c.is_member():
+    c, ranks = _open("reduce_inplace", comm, group, tensor)
+    if c is None:
         return _skip(async_op)
-    _check_tensor("tensor", tensor)
     op = _reduce_op(op, tensor)
     dst = _global_rank(c, ranks, dst, "dst")
     # gloo writes partial sums into the buffers of other members: they reduce a copy.
@@ -129,18 +178,11 @@ def _reduce_into(buffer: torch.Tensor, dst: int, op: ReduceOp, c: BaguaCommunica
 def allgather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm=None, *, group=None, async_op: bool = False):
     """``recv_tensor`` (nranks × ``send_tensor.numel()`` elements) ← every member's
     ``send_tensor``, in communicator-rank order."""
-    c, _ = _target(comm, group, "allgather")
-    if not c.is_member():
+    c, _ = _open("allgather", comm, group, send=send_tensor, recv=recv_tensor)
+    if c is None:
         return _skip(async_op)
-    _check_tensor("send_tensor", send_tensor, contiguous=False)
-    _check_tensor("recv_tensor", recv_tensor)
-    _check_same_dtype("send_tensor", send_tensor, "recv_tensor", recv_tensor)
     n = c.nranks()
-    if recv_tensor.numel() != n * send_tensor.numel():
-        raise ValueError(
-            f"recv_tensor must have nranks x send_tensor.numel() = {n} x {send_tensor.numel()} = "
-            f"{n * send_tensor.numel()} elements for allgather, got {recv_tensor.numel()}"
-        )
+    _check_nranks_chunks("recv_tensor", recv_tensor, "send_tensor", send_tensor, n, "for allgather")
     _count(_nbytes(send_tensor))
     st = _Staging(c)
     work = _all_gather_single(st(recv_tensor.view(-1), read=False, write=True),
@@ -152,13 +194,11 @@ def allgather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm=None, *
 def allgather_inplace(tensor: torch.Tensor, comm=None, *, group=None, async_op: bool = False):
     """In-place :func:`allgather`: ``tensor`` holds nranks equal chunks; each member's
     chunk at its rank is its input, and all chunks are the output."""
-    c, _ = _target(comm, group, "allgather_inplace")
-    if not c.is_member():
+    c, _ = _open("allgather_inplace", comm, group, tensor)
+    if c is None:
         return _skip(async_op)
-    _check_tensor("tensor", tensor)
     n = c.nranks()
-    if n and tensor.numel() % n:
-        raise ValueError(f"tensor.numel() = {tensor.numel()} must be divisible by the number of ranks ({n})")
+    _check_divisible("tensor", tensor, n)
     flat = tensor.view(-1)
     count = flat.numel() // n
     mine = flat[c.rank() * count:(c.rank() + 1) * count].clone()
@@ -174,21 +214,11 @@ def gather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, comm=
     """``recv_tensor`` of rank ``dst`` (nranks × ``send_tensor.numel()`` elements) ←
     every member's ``send_tensor``, in communicator-rank order; ``recv_tensor`` of the
     other members is not used."""
-    c, ranks = _target(comm, group, "gather")
-    if not c.is_member():
+    c, ranks = _open("gather", comm, group, send=send_tensor)
+    if c is None:
         return _skip(async_op)
-    _check_tensor("send_tensor", send_tensor, contiguous=False)
-    dst = _global_rank(c, ranks, dst, "dst")
-    n = c.nranks()
-    at_dst = get_rank() == dst
-    if at_dst:
-        _check_tensor("recv_tensor", recv_tensor)
-        _check_same_dtype("send_tensor", send_tensor, "recv_tensor", recv_tensor)
-        if recv_tensor.numel() != n * send_tensor.numel():
-            raise ValueError(
-                f"recv_tensor must have nranks x send_tensor.numel() = {n} x {send_tensor.numel()} = "
-                f"{n * send_tensor.numel()} elements on the dst rank, got {recv_tensor.numel()}"
-            )
+    dst, n, at_dst = _rooted(c, ranks, dst, "dst", "recv_tensor", recv_tensor, "send_tensor", send_tensor,
+                             written=True)
     st = _Staging(c)
     chunks = list(st(recv_tensor.view(n, -1), read=False, write=True).unbind(0)) if at_dst else None
     if not at_dst:
@@ -197,11 +227,27 @@ def gather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, comm=
     return _finish(st.handle([work]), async_op)
 
 
+def _rooted(c: BaguaCommunicator, ranks: str, root, root_name: str, whole_name: str, whole, part_name: str,
+            part: torch.Tensor, *, written: bool) -> tuple[int, int, bool]:
+    """The rooted half of gather's and scatter's opening: the root's global rank, then,
+    on the root only, its ``whole`` tensor (nranks × ``part.numel()`` elements of
+    ``part``'s dtype; contiguous where it is ``written`` in place, as gather's
+    recv_tensor, any strides where it is only read, as scatter's send_tensor).
+    Returns (global root, nranks, whether this is the root)."""
+    root = _global_rank(c, ranks, root, root_name)
+    n = c.nranks()
+    at_root = get_rank() == root
+    if at_root:
+        _check_tensor(whole_name, whole, contiguous=written)
+        _check_same_dtype(part_name, part, whole_name, whole)
+        _check_nranks_chunks(whole_name, whole, part_name, part, n, f"on the {root_name} rank")
+    return root, n, at_root
+
+
 def _rooted_inplace(c: BaguaCommunicator, ranks: str, tensor: torch.Tensor, count, root, root_name: str):
-    """Checks of an in-place gather/scatter: ``tensor`` holds nranks × ``count``
-    elements on the root and ``count`` elsewhere. Returns (global root, nranks,
-    whether this is the root, ``tensor`` as 1-D)."""
-    _check_tensor("tensor", tensor)
+    """Checks of an in-place gather/scatter (after :func:`_open`'s of ``tensor``):
+    ``tensor`` holds nranks × ``count`` elements on the root and ``count`` elsewhere.
+    Returns (global root, nranks, whether this is the root, ``tensor`` as 1-D)."""
     count = check_int("count", count, 0, what="a non-negative integer")
     root = _global_rank(c, ranks, root, root_name)
     n = c.nranks()
@@ -217,8 +263,8 @@ def _rooted_inplace(c: BaguaCommunicator, ranks: str, tensor: torch.Tensor, coun
 def gather_inplace(tensor: torch.Tensor, count: int, dst: int, comm=None, *, group=None, async_op: bool = False):
     """In-place :func:`gather`: on rank ``dst`` ``tensor`` has nranks × ``count``
     elements, its own input being chunk ``dst``; elsewhere it has ``count`` elements."""
-    c, ranks = _target(comm, group, "gather_inplace")
-    if not c.is_member():
+    c, ranks = _open("gather_inplace", comm, group, tensor)
+    if c is None:
         return _skip(async_op)
     dst, n, at_dst, flat = _rooted_inplace(c, ranks, tensor, count, dst, "dst")
     st = _Staging(c)
@@ -239,21 +285,11 @@ def scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, src: int, comm
     """Each member's ``recv_tensor`` ← its chunk (by communicator rank) of rank
     ``src``'s ``send_tensor`` (nranks × ``recv_tensor.numel()`` elements; not used on
     the other members)."""
-    c, ranks = _target(comm, group, "scatter")
-    if not c.is_member():
+    c, ranks = _open("scatter", comm, group, recv=recv_tensor)
+    if c is None:
         return _skip(async_op)
-    _check_tensor("recv_tensor", recv_tensor)
-    src = _global_rank(c, ranks, src, "src")
-    n = c.nranks()
-    at_src = get_rank() == src
-    if at_src:
-        _check_tensor("send_tensor", send_tensor, contiguous=False)
-        _check_same_dtype("recv_tensor", recv_tensor, "send_tensor", send_tensor)
-        if send_tensor.numel() != n * recv_tensor.numel():
-            raise ValueError(
-                f"send_tensor must have nranks x recv_tensor.numel() = {n} x {recv_tensor.numel()} = "
-                f"{n * recv_tensor.numel()} elements on the src rank, got {send_tensor.numel()}"
-            )
+    src, n, at_src = _rooted(c, ranks, src, "src", "send_tensor", send_tensor, "recv_tensor", recv_tensor,
+                             written=False)
     st = _Staging(c)
     chunks = list(st(send_tensor.reshape(n, -1).contiguous()).unbind(0)) if at_src else None
     if at_src:
@@ -268,8 +304,8 @@ def scatter_inplace(tensor: torch.Tensor, count: int, src: int, comm=None, *, gr
     """In-place :func:`scatter`: on rank ``src`` ``tensor`` has nranks × ``count``
     elements (its own share, chunk ``src``, stays in place); elsewhere it has ``count``
     elements and receives this member's chunk."""
-    c, ranks = _target(comm, group, "scatter_inplace")
-    if not c.is_member():
+    c, ranks = _open("scatter_inplace", comm, group, tensor)
+    if c is None:
         return _skip(async_op)
     src, n, at_src, flat = _rooted_inplace(c, ranks, tensor, count, src, "src")
     st = _Staging(c)
@@ -287,18 +323,11 @@ def reduce_scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: Red
                    group=None, async_op: bool = False):
     """Member k's ``recv_tensor`` ← reduction of chunk k of every member's
     ``send_tensor`` (nranks × ``recv_tensor.numel()`` elements)."""
-    c, _ = _target(comm, group, "reduce_scatter")
-    if not c.is_member():
+    c, _ = _open("reduce_scatter", comm, group, send=send_tensor, recv=recv_tensor)
+    if c is None:
         return _skip(async_op)
-    _check_tensor("send_tensor", send_tensor, contiguous=False)
-    _check_tensor("recv_tensor", recv_tensor)
-    _check_same_dtype("send_tensor", send_tensor, "recv_tensor", recv_tensor)
     n = c.nranks()
-    if send_tensor.numel() != n * recv_tensor.numel():
-        raise ValueError(
-            f"send_tensor must have nranks x recv_tensor.numel() = {n} x {recv_tensor.numel()} = "
-            f"{n * recv_tensor.numel()} elements for reduce_scatter, got {send_tensor.numel()}"
-        )
+    _check_nranks_chunks("send_tensor", send_tensor, "recv_tensor", recv_tensor, n, "for reduce_scatter")
     op = _reduce_op(op, send_tensor)
     torch_op, finishers = _op_and_finish(op, c, recv_tensor)
     _count(_nbytes(recv_tensor) * (n - 1))
@@ -315,13 +344,11 @@ def reduce_scatter_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, co
     """In-place :func:`reduce_scatter`: ``tensor`` holds nranks equal chunks; afterwards
     member k's chunk k holds the reduction of every member's chunk k (the other chunks
     are left unchanged)."""
-    c, _ = _target(comm, group, "reduce_scatter_inplace")
-    if not c.is_member():
+    c, _ = _open("reduce_scatter_inplace", comm, group, tensor)
+    if c is None:
         return _skip(async_op)
-    _check_tensor("tensor", tensor)
     n = c.nranks()
-    if n and tensor.numel() % n:
-        raise ValueError(f"tensor.numel() = {tensor.numel()} must be divisible by the number of ranks ({n})")
+    _check_divisible("tensor", tensor, n)
     op = _reduce_op(op, tensor)
     flat = tensor.view(-1)
     count = flat.numel() // n
@@ -339,19 +366,12 @@ def reduce_scatter_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, co
 def alltoall(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm=None, *, group=None, async_op: bool = False):
     """Chunk j of member i's ``send_tensor`` → chunk i of member j's ``recv_tensor``
     (both of nranks equal chunks)."""
-    c, _ = _target(comm, group, "alltoall")
-    if not c.is_member():
+    c, _ = _open("alltoall", comm, group, send=send_tensor, recv=recv_tensor)
+    if c is None:
         return _skip(async_op)
-    _check_tensor("send_tensor", send_tensor, contiguous=False)
-    _check_tensor("recv_tensor", recv_tensor)
-    _check_same_dtype("send_tensor", send_tensor, "recv_tensor", recv_tensor)
     n = c.nranks()
-    if n and send_tensor.numel() % n:
-        raise ValueError(f"send_tensor.numel() = {send_tensor.numel()} must be divisible by the number of ranks ({n})")
-    if recv_tensor.numel() != send_tensor.numel():
-        raise ValueError(
-            f"recv_tensor must have as many elements as send_tensor ({send_tensor.numel()}), got {recv_tensor.numel()}"
-        )
+    _check_divisible("send_tensor", send_tensor, n)
+    _check_same_numel(send_tensor, recv_tensor)
     send = send_tensor.reshape(-1)
     if send.data_ptr() == recv_tensor.data_ptr() or not send.is_contiguous():
         send = send.clone()
@@ -380,12 +400,9 @@ def alltoall_v(send_tensor: torch.Tensor, send_counts, send_displs, recv_tensor:
     equal member i's ``send_counts[j]`` (that pairing is not checked across ranks).
     Elements of ``recv_tensor`` outside the receive regions are left unchanged.
     """
-    c, _ = _target(comm, group, "alltoall_v")
-    if not c.is_member():
+    c, _ = _open("alltoall_v", comm, group, send=send_tensor, recv=recv_tensor)
+    if c is None:
         return _skip(async_op)
-    _check_tensor("send_tensor", send_tensor, contiguous=False)
-    _check_tensor("recv_tensor", recv_tensor)
-    _check_same_dtype("send_tensor", send_tensor, "recv_tensor", recv_tensor)
     n = c.nranks()
     send_counts = _counts("send_counts", send_counts, n)
     send_displs = _counts("send_displs", send_displs, n, sum(send_counts))
@@ -404,10 +421,9 @@ def alltoall_v_inplace(tensor: torch.Tensor, counts, displs, comm=None, *, group
     """In-place :func:`alltoall_v`: the region ``displs[j]``, ``counts[j]`` of ``tensor``
     is sent to member j and replaced by what member j sends (so member j's
     ``counts[i]`` must equal this member's ``counts[j]``)."""
-    c, _ = _target(comm, group, "alltoall_v_inplace")
-    if not c.is_member():
+    c, _ = _open("alltoall_v_inplace", comm, group, tensor)
+    if c is None:
         return _skip(async_op)
-    _check_tensor("tensor", tensor)
     n = c.nranks()
     counts = _counts("counts", counts, n)
     displs = _counts("displs", displs, n, sum(counts))
@@ -448,8 +464,8 @@ def _alltoall_v(send, send_counts, send_displs, send_packed, recv, recv_counts, 
 @_stacked.dispatch(_stacked.barrier)
 def barrier(comm=None, *, group=None, async_op: bool = False):
     """Block until every member of the communicator has entered ``barrier``."""
-    c, _ = _target(comm, group, "barrier")
-    if not c.is_member():
+    c, _ = _open("barrier", comm, group)
+    if c is None:
         return _skip(async_op)
     work = dist.barrier(group=c.torch_group, async_op=True)
     return _finish(CommHandle([work]), async_op)
@@ -459,10 +475,9 @@ def barrier(comm=None, *, group=None, async_op: bool = False):
 def send(tensor: torch.Tensor, dst: int, comm=None, *, group=None, async_op: bool = False):
     """Send ``tensor`` to rank ``dst`` (an int, or a ``[1]`` long tensor: one worker's
     peer) (blocking unless ``async_op``)."""
-    c, ranks = _target(comm, group, "send")
-    if not c.is_member():
+    c, ranks = _open("send", comm, group, tensor)
+    if c is None:
         return _skip(async_op)
-    _check_tensor("tensor", tensor)
     dst = _global_rank(c, ranks, _peer_rank(dst, "dst"), "dst")
     if dst == get_rank():
         raise ValueError(f"dst={dst} is this process's own rank; send to another rank")
@@ -476,10 +491,9 @@ def send(tensor: torch.Tensor, dst: int, comm=None, *, group=None, async_op: boo
 def recv(tensor: torch.Tensor, src: int, comm=None, *, group=None, async_op: bool = False):
     """Receive ``tensor`` from rank ``src`` (an int, or a ``[1]`` long tensor: one
     worker's peer) (blocking unless ``async_op``)."""
-    c, ranks = _target(comm, group, "recv")
-    if not c.is_member():
+    c, ranks = _open("recv", comm, group, tensor)
+    if c is None:
         return _skip(async_op)
-    _check_tensor("tensor", tensor)
     src = _global_rank(c, ranks, _peer_rank(src, "src"), "src")
     if src == get_rank():
         raise ValueError(f"src={src} is this process's own rank; receive from another rank")

@@ -297,6 +297,8 @@ def save_checkpoint(iteration: int, checkpoints_path: str, model, optimizer=None
         state["lr_scheduler"] = lr_scheduler.state_dict()
     if "bagua_ddp" in model.__dict__:
         state["bagua"] = model.bagua_state_dict()
+    if comm.fault_tolerance.active():  # under torchft: the committed steps go on from here at a resume
+        state["torchft"] = comm.fault_tolerance.counters()
     own = _rank_file(checkpoints_path, iteration, rank)
     _save_verified(state, own, world_size)
     if rank == 0:  # Bagua's name for the same bytes: serialised once, linked
@@ -502,6 +504,8 @@ def _load_parts(state: dict, model, optimizer, lr_scheduler, strict: bool) -> No
         lr_scheduler.load_state_dict(state["lr_scheduler"])
     if "bagua" in state and "bagua_ddp" in model.__dict__:
         model.load_bagua_state_dict(state["bagua"])  # after the model: the rules may start from it
+    if "torchft" in state and comm.fault_tolerance.active():
+        comm.fault_tolerance.restore_counters(state["torchft"])
 
 
 def load_checkpoint(checkpoints_path: str, model, optimizer=None, lr_scheduler=None, strict: bool = True,
@@ -573,9 +577,11 @@ def resume_from_checkpoint(checkpoints_path: str, model, optimizer=None, lr_sche
     trust = _trusts_pickle(trust_pickle)
     _check_path(checkpoints_path)
     rank, world_size = _rank_and_size()
-    distributed = comm.is_initialized() and world_size > 1
+    # Under torchft before the first quorum there is no group to agree over: each replica
+    # takes its newest valid checkpoint, and one behind heals from the others at the quorum.
+    distributed = comm.is_initialized() and world_size > 1 and not comm.fault_tolerance.before_first_quorum()
     _remove_stale_temporaries(checkpoints_path)
-    candidates, note = _candidates(checkpoints_path) if rank == 0 else ([], None)
+    candidates, note = _candidates(checkpoints_path) if rank == 0 or not distributed else ([], None)
     if note:
         warnings.warn(note, RuntimeWarning, stacklevel=2)
     if distributed:

@@ -395,6 +395,7 @@ def with_bagua(
     do_flatten: bool = True,
     bucket_size: int | None = None,
     broadcast_buffers: bool | str = False,
+    lr_schedulers=None,
 ) -> torch.nn.Module:
     """Train ``module`` with ``algorithm`` over ``process_group`` (all workers by default).
 
@@ -410,7 +411,10 @@ def with_bagua(
     ``bagua_train_step_counter``, ``bagua_buckets``, ``bagua_optimizers``,
     ``no_sync()``, ``bagua_state_dict()`` and ``load_bagua_state_dict()``. Calling it
     again re-wraps the module with another algorithm. Inputs are checked before the
-    module is touched, so an error leaves it as it was.
+    module is touched, so an error leaves it as it was. ``lr_schedulers``: the LR
+    schedulers of ``optimizers`` stepped once per training step; under torchft their
+    state follows the committed steps (rolled back with a discarded step, healed from a
+    peer); otherwise they are only checked.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -421,6 +425,9 @@ def with_bagua(
         )
     algorithm = _check_algorithm(algorithm)
     optimizers = _check_optimizers(module, optimizers)
+    from .fault_tolerant_step import check_lr_schedulers
+
+    lr_schedulers = check_lr_schedulers(lr_schedulers, optimizers)
     _check_devices(module)
     check_flag("do_flatten", do_flatten)
     if bucket_size is None:
@@ -469,6 +476,8 @@ def with_bagua(
         gradient_as_bucket_view=do_flatten, bucket_size=bucket_size, broadcast_buffers=broadcast_buffers,
         impl=impl,
     )
+    if ddp.fault_tolerance is not None:
+        ddp.fault_tolerance.track_lr_schedulers(lr_schedulers)
     module.bagua_ddp = ddp
     return module
 

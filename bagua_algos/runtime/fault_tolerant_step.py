@@ -30,7 +30,11 @@ under torchft. One step:
    which then heal from a replica that committed it).
 
 The healing state (torchft's state_dict callback, key ``"bagua"``) is the model's
-``state_dict()``, the optimizer's and ``bagua_state_dict()``.
+``state_dict()``, the optimizer's and ``bagua_state_dict()``, and the states of the LR
+schedulers given to ``with_bagua(..., lr_schedulers=...)``: they are snapshotted too, and
+after a discarded step (their step, which the script calls after ``optimizer.step()``,
+comes after the roll-back) they are put back at the next step's start, so that they
+count committed steps only.
 """
 
 from __future__ import annotations
@@ -106,11 +110,34 @@ def for_quorum(algorithm, world_size: int):
     return algorithm
 
 
-def _snapshot(ddp, optimizer) -> dict:
+def check_lr_schedulers(lr_schedulers, optimizers) -> list:
+    """The LR schedulers given to ``with_bagua(..., lr_schedulers=...)`` as a list, each
+    checked: an object with ``step``, ``state_dict`` and ``load_state_dict`` whose
+    ``optimizer`` is one of ``optimizers`` (torch's schedulers hold the optimizer they
+    schedule). Under torchft their state follows the committed steps (FaultTolerantStep)."""
+    if lr_schedulers is None:
+        return []
+    if not isinstance(lr_schedulers, (list, tuple)):
+        raise TypeError(f"lr_schedulers must be a list of LR schedulers (torch.optim.lr_scheduler), "
+                        f"got {type(lr_schedulers).__name__}")
+    for i, scheduler in enumerate(lr_schedulers):
+        if not all(callable(getattr(scheduler, name, None)) for name in ("step", "state_dict", "load_state_dict")):
+            raise TypeError(f"lr_schedulers[{i}] is a {type(scheduler).__name__}, not an LR scheduler "
+                            "(an object with step, state_dict and load_state_dict, as torch.optim.lr_scheduler's)")
+        if not any(getattr(scheduler, "optimizer", None) is optimizer for optimizer in optimizers):
+            raise ValueError(f"lr_schedulers[{i}] ({type(scheduler).__name__}) schedules an optimizer that was not "
+                             "given to with_bagua; pass the schedulers of the optimizers given")
+    return list(lr_schedulers)
+
+
+def _snapshot(ddp, optimizer, schedulers=()) -> dict:
     with torch.no_grad():
         model = {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
-    return {"model": model, "optimizer": copy.deepcopy(optimizer.state_dict()),
-            "bagua": copy.deepcopy(ddp.state_dict())}
+    state = {"model": model, "optimizer": copy.deepcopy(optimizer.state_dict()),
+             "bagua": copy.deepcopy(ddp.state_dict())}
+    if schedulers:  # only then: a job without schedulers serves the same state as before
+        state["schedulers"] = [copy.deepcopy(s.state_dict()) for s in schedulers]
+    return state
 
 
 def state_digest(state) -> str:
@@ -154,6 +181,11 @@ class FaultTolerantStep:
         self.rebuilds = 0  # quorum changes seen (the algorithm built again)
         self._healed = None
         self._snapshot = None
+        # the LR schedulers whose state follows the committed steps (with_bagua's
+        # lr_schedulers), and the state to put back at the next step's start after a
+        # discarded step: theirs and the optimizer's hyperparameters at its start
+        self.schedulers = []
+        self._undo = None
         # (manager step, state_digest) of each healing state this replica received and
         # of each it served to a peer: a healed replica holds what its peer served
         self.heals = []
@@ -177,13 +209,23 @@ class FaultTolerantStep:
             self.end_step()
             return out
 
+        if hasattr(step, "_wrapped_by_lr_sched"):  # a scheduler made before with_bagua: it still sees its
+            step_then_commit._wrapped_by_lr_sched = True  # wrapper called (no "overridden" warning)
         # a bound method, as torch's LR schedulers expect of optimizer.step (they wrap its __func__)
         self.optimizer.step = types.MethodType(step_then_commit, self.optimizer)
         self._unpatch = lambda: setattr(self.optimizer, "step", step)
 
+    def track_lr_schedulers(self, schedulers) -> None:
+        """Make ``schedulers`` (checked by :func:`check_lr_schedulers`) follow the
+        committed steps: their state is part of the snapshot, of the roll-back and of the
+        healing state. Each must be stepped once per training step (a scheduler stepped
+        per epoch would have its epoch's step undone with a discarded last step)."""
+        self.schedulers = list(schedulers)
+
     # --- torchft's state_dict callbacks (called inside start_quorum) ------------------
     def _healing_state(self) -> dict:
-        state = self._snapshot if self._snapshot is not None else _snapshot(self.ddp, self.optimizer)
+        state = self._snapshot if self._snapshot is not None else _snapshot(self.ddp, self.optimizer,
+                                                                             self.schedulers)
         self.served.append((self.manager.current_step(), state_digest(state)))
         return state
 
@@ -193,9 +235,11 @@ class FaultTolerantStep:
         module's; the optimizer's groups this optimizer's, each state tensor a scalar or of
         its parameter's shape and dtype kind; the algorithm state a dict (its sizes follow
         the quorum, and ``load_state_dict`` applies the algorithm's rule to them)."""
-        if not isinstance(state, dict) or set(state) != {"model", "optimizer", "bagua"}:
+        schedulers = getattr(self, "schedulers", [])
+        keys = ("model", "optimizer", "bagua") + (("schedulers",) if schedulers else ())
+        if not isinstance(state, dict) or set(state) != set(keys):
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            return f"expected {{'model', 'optimizer', 'bagua'}}, got {got}"
+            return f"expected {{{', '.join(map(repr, keys))}}}, got {got}"
         model, local = state["model"], self.ddp.module.state_dict()
         if not isinstance(model, dict) or set(model) != set(local):
             differ = sorted(set(model) ^ set(local)) if isinstance(model, dict) else type(model).__name__
@@ -205,8 +249,24 @@ class FaultTolerantStep:
             if not torch.is_tensor(theirs) or theirs.shape != mine.shape or theirs.dtype != mine.dtype:
                 got = f"{theirs.dtype} {tuple(theirs.shape)}" if torch.is_tensor(theirs) else type(theirs).__name__
                 return f"model[{key!r}] is {got}, this module's is {mine.dtype} {tuple(mine.shape)}"
-        return self._optimizer_problem(state["optimizer"]) or (
+        return self._optimizer_problem(state["optimizer"]) or self._schedulers_problem(state.get("schedulers")) or (
             None if isinstance(state["bagua"], dict) else "the algorithm state is not a dict")
+
+    def _schedulers_problem(self, theirs) -> str | None:
+        """A peer's scheduler states must be one per scheduler, each with this scheduler's
+        keys (``load_state_dict`` sets every key as an attribute: no other may come in)."""
+        mine = getattr(self, "schedulers", [])
+        if not mine:
+            return None
+        if not isinstance(theirs, list) or len(theirs) != len(mine):
+            return f"expected the states of {len(mine)} LR schedulers, got {type(theirs).__name__}"
+        for i, (scheduler, state) in enumerate(zip(mine, theirs)):
+            own = scheduler.state_dict()
+            if not isinstance(state, dict) or set(state) != set(own):
+                got = sorted(state) if isinstance(state, dict) else type(state).__name__
+                return f"LR scheduler {i} ({type(scheduler).__name__}): its state's keys are {got}, " \
+                       f"this one's {sorted(own)}"[:300]
+        return None
 
     def _optimizer_problem(self, theirs) -> str | None:
         mine = self.optimizer.state_dict()
@@ -243,7 +303,8 @@ class FaultTolerantStep:
             return
         ddp = self.ddp
         ddp._bagua_backend.wait_pending_comm_ops()
-        self._snapshot = _snapshot(ddp, self.optimizer)
+        self._undo_discarded_schedule()
+        self._snapshot = _snapshot(ddp, self.optimizer, self.schedulers)
         t0 = time.perf_counter()
         changed = quorum_changed = ft.start_step()  # (quorum_changed: the same on every member)
         t1 = time.perf_counter()
@@ -253,9 +314,11 @@ class FaultTolerantStep:
         if healed_now:
             healed, self._healed = self._healed, None
             self.heals.append((self.manager.current_step(), state_digest(healed)))
-            self._snapshot = {"model": healed["model"], "optimizer": healed["optimizer"], "bagua": healed["bagua"]}
+            self._snapshot = {key: healed[key] for key in ("model", "optimizer", "bagua", "schedulers") if key in healed}
             ddp.module.load_state_dict(healed["model"])
             self.optimizer.load_state_dict(healed["optimizer"])
+            for scheduler, state in zip(self.schedulers, healed.get("schedulers", ())):
+                scheduler.load_state_dict(copy.deepcopy(state))
             changed = True
         t2 = time.perf_counter()
         if changed and not ft._ft.get("unformed"):  # (unformed: no group, the step is discarded)
@@ -346,6 +409,24 @@ class FaultTolerantStep:
             self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
             ddp.load_state_dict(copy.deepcopy(snap["bagua"]))
             self.discarded += 1
+            if self.schedulers:
+                # The caller steps its schedulers after optimizer.step(), that is after this
+                # roll-back: their step (and the lr it sets) is undone at the next step's start.
+                self._undo = (snap["schedulers"], copy.deepcopy(snap["optimizer"]["param_groups"]))
+
+    def _undo_discarded_schedule(self) -> None:
+        """After a discarded step: the schedulers back to their state at its start, and
+        the optimizer's hyperparameters (lr, momentum, ... what a scheduler sets) to theirs
+        then, so that a scheduler counts committed steps only (``last_epoch`` and the lr
+        are those of a replica that did not run the discarded step)."""
+        if self._undo is None:
+            return
+        states, groups = self._undo
+        self._undo = None
+        for scheduler, state in zip(self.schedulers, states):
+            scheduler.load_state_dict(copy.deepcopy(state))
+        for group, saved in zip(self.optimizer.param_groups, groups):
+            group.update({key: value for key, value in saved.items() if key != "params"})
 
     def detach(self) -> None:
         self._unpatch()

@@ -44,6 +44,7 @@ import ipaddress
 import os
 import socket
 import threading
+import time
 import urllib.request
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -60,6 +61,10 @@ JOB_REPLICAS_ENV = "BAGUA_ALGOS_JOB_REPLICAS"  # the job's replica ids, comma-se
 BIND_ENV = "BAGUA_ALGOS_BIND_HOST"  # where this replica's servers listen (unset: every interface)
 SECRET_ENV = "BAGUA_ALGOS_JOB_SECRET"  # signs the healing state (the same on every node of the job)
 SIGNATURE_HEADER = "X-Bagua-Signature"
+# Seconds (at most the job's timeout) a replica that serves its state to healing peers
+# waits at its commit for their requests: a live healing peer asks right after its quorum,
+# the same round as the serving one's, so seconds suffice even on a loaded host.
+HEAL_REQUEST_WAIT = 20.0
 INSTALL_HINT = "pip install 'bagua-algos[torchft]'"
 CHOICES = (None, "torchft")
 
@@ -325,6 +330,34 @@ def check_received(state, step: int) -> Optional[str]:
     return None
 
 
+def _healing_handler(transport, seconds: float):
+    """The HTTP handler of a replica's healing server: ``GET /checkpoint/<step>`` answers
+    the bytes ``transport`` serves for that step (signed when the job has a secret), or 404."""
+
+    class Handler(BaseHTTPRequestHandler):
+        timeout = seconds  # a socket timeout: no request holds a thread forever
+
+        def do_GET(self):
+            parts = self.path.strip("/").split("/")
+            step = int(parts[1]) if len(parts) == 2 and parts[0] == "checkpoint" and parts[1].isdigit() else -1
+            body = transport._wait_for(step) if step >= 0 else None
+            if body is None:
+                self.send_error(404, f"no checkpoint of step {step} is served here")
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(len(body)))
+            if transport._secret:
+                self.send_header(SIGNATURE_HEADER, _sign(transport._secret, step, body))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):  # one line per request on stderr otherwise
+            pass
+
+    return Handler
+
+
 def _tensor_transport_class():
     from torchft.checkpointing.transport import CheckpointTransport
 
@@ -342,36 +375,16 @@ def _tensor_transport_class():
             self._timeout, self._secret, self._advertise = timeout, secret, advertise
             self._ready = threading.Condition()
             self._step, self._body = -1, None
-            transport, seconds = self, timeout.total_seconds()
-
-            class Handler(BaseHTTPRequestHandler):
-                timeout = seconds  # a socket timeout: no request holds a thread forever
-
-                def do_GET(self):
-                    parts = self.path.strip("/").split("/")
-                    step = int(parts[1]) if len(parts) == 2 and parts[0] == "checkpoint" and parts[1].isdigit() else -1
-                    body = transport._wait_for(step) if step >= 0 else None
-                    if body is None:
-                        self.send_error(404, f"no checkpoint of step {step} is served here")
-                        return
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/octet-stream")
-                    self.send_header("Content-Length", str(len(body)))
-                    if transport._secret:
-                        self.send_header(SIGNATURE_HEADER, _sign(transport._secret, step, body))
-                    self.end_headers()
-                    self.wfile.write(body)
-
-                def log_message(self, *args):  # one line per request on stderr otherwise
-                    pass
-
+            # the healing peers of the step served, the requests that got its state (the bytes
+            # are then theirs whatever follows) and until when a commit waits for them
+            self._expected, self._fetched, self._deadline = 0, 0, 0.0
             where = _any_interface() if host is None else host
 
             class Server(ThreadingHTTPServer):
                 address_family = socket.AF_INET6 if ":" in where else socket.AF_INET
                 daemon_threads = True
 
-            self._server = Server((where, 0), Handler)
+            self._server = Server((where, 0), _healing_handler(self, timeout.total_seconds()))
             self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
                                             name="bagua-healing-server")
             self._thread.start()
@@ -380,7 +393,11 @@ def _tensor_transport_class():
             with self._ready:
                 self._ready.wait_for(lambda: self._step == step and self._body is not None,
                                      timeout=self._timeout.total_seconds())
-                return self._body if self._step == step else None
+                if self._step != step:
+                    return None
+                self._fetched += 1
+                self._ready.notify_all()
+                return self._body
 
         def metadata(self) -> str:
             return f"http://{_url_host(self._advertise)}:{self._server.server_address[1]}/checkpoint/"
@@ -390,10 +407,23 @@ def _tensor_transport_class():
             torch.save(state_dict, buffer)
             with self._ready:
                 self._step, self._body = step, buffer.getvalue()
+                self._expected, self._fetched = len(dst_ranks), 0
+                self._deadline = time.monotonic() + min(self._timeout.total_seconds(), HEAL_REQUEST_WAIT)
                 self._ready.notify_all()
 
         def disallow_checkpoint(self) -> None:
+            """Called by the manager's ``should_commit``: the step's state is served no
+            more. It waits (up to the timeout) until every healing peer of the step has
+            fetched it: the state is serialized at this replica's quorum, so it is the
+            committed one whenever it is fetched, but a replica that exchanges nothing with
+            its healing peer in the step (a local step, a sparse topology) can reach its
+            commit before the peer has asked; the peer's heal would then fail and its step
+            be discarded, and, the quorum unchanged, nothing else holds this replica back.
+            A request that came holds the bytes, so the wait is for the requests only, and
+            at most ``HEAL_REQUEST_WAIT`` from the serving (a healing peer that died never asks)."""
             with self._ready:
+                self._ready.wait_for(lambda: self._body is None or self._fetched >= self._expected,
+                                     timeout=max(0.0, self._deadline - time.monotonic()))
                 self._step, self._body = -1, None
 
         def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta):
@@ -547,6 +577,30 @@ _PEER_LOST = ("connection closed by peer", "connection reset", "broken pipe", "e
 def peer_lost(exc: BaseException) -> bool:
     text = f"{type(exc).__name__}: {exc}".lower()
     return any(marker in text for marker in _PEER_LOST)
+
+
+def before_first_quorum() -> bool:
+    """Whether this replica has no group of its quorum yet (before its first quorum, or
+    after a group it failed to form): the default group is then one without peers (a
+    collective over it exchanges nothing), so a collective agreement cannot be made."""
+    return active() and (_ft["quorum_id"] < 0 or bool(_ft.get("unformed")))
+
+
+def counters() -> dict:
+    """The manager's counters (committed steps, batches), for a checkpoint."""
+    return dict(_ft["manager"].state_dict())
+
+
+def restore_counters(saved) -> None:
+    """Set the manager's counters from a checkpoint's: the committed steps go on from the
+    checkpoint's (without it they would start again from 0). Every replica resumes from
+    its own newest valid file; one that loaded an older step is behind at the quorum and
+    heals from a replica at the newest (torchft's rule)."""
+    if not isinstance(saved, dict) or not all(isinstance(saved.get(k), int) and saved[k] >= 0
+                                               for k in ("step", "batches_committed")):
+        raise ValueError(f"the checkpoint's torchft counters must be {{'step', 'batches_committed'}} "
+                         f"of integers >= 0, got {saved!r}"[:300])
+    _ft["manager"].load_state_dict({"step": saved["step"], "batches_committed": saved["batches_committed"]})
 
 
 def should_commit() -> bool:

@@ -45,6 +45,8 @@ COMMANDS = {
                        "workers SIGKILLed under --max_restarts, resumed from a checkpoint (needs a checkout)"),
     "exogym-compare": ("bagua_algos.experiments.exogym_compare",
                        "EXO Gym against the one-process engine: step time, memory, accuracy (needs exogym)"),
+    "soak": ("bagua_algos.experiments.soak",
+             "a fault-tolerance soak: replicas killed and hung under --torchft, committed steps and stalls"),
     "decentdp-compare": ("bagua_algos.experiments.decentdp_compare",
                          "the plugin's one-peer gossip against Decent-DP's, step time over gloo (needs decent-dp)"),
 }

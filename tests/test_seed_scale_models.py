@@ -408,7 +408,7 @@ def test_sixteen_worker_vgg11_sweep_on_the_engine(cifar_dir, tmp_path, capsys):
     started = time.perf_counter()
     main(["--dataset", "cifar10", "--data-dir", str(folder), "--model", "vgg11", "--workers", "16",
           "--epochs", "1", "--max-steps-per-epoch", "1", "--configs", "allreduce_average", "--alphas", "1",
-          "--engine", "sim", "--jobs", "1", "--out-dir", str(out), "--no-progress"])
+          "--engine", "sim", "--jobs", "1", "--lr", "0.05", "--out-dir", str(out), "--no-progress"])
     seconds = time.perf_counter() - started
     captured = capsys.readouterr()
     with capsys.disabled():

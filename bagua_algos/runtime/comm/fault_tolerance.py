@@ -281,6 +281,14 @@ def _refuse(message: str) -> RuntimeError:
     return RuntimeError(_ft["refused"])
 
 
+def _exit_refused() -> None:
+    """End this replica with its refusal as one line, written in one ``write`` (replicas
+    share the launcher's stderr: Python's own exit message writes the text and its
+    newline apart, so two replicas' lines could run together)."""
+    os.write(2, (_ft["refused"].rstrip("\n") + "\n").encode())
+    raise SystemExit(1) from None
+
+
 class _CheckedClient:
     """The manager's client to its own server, with every quorum checked before torchft
     forms a group over it or heals from it: a member whose replica id is not one of the
@@ -552,10 +560,10 @@ def start_step() -> bool:
         manager.report_error(exc)
     except Exception:
         if _ft.get("refused"):
-            raise SystemExit(_ft["refused"]) from None
+            _exit_refused()
         raise
     if _ft.get("refused"):  # a healing state refused (torchft reports it as the step's error)
-        raise SystemExit(_ft["refused"])
+        _exit_refused()
     failed = manager.errored()
     if failed is not None:
         _ft["errored"] = getattr(failed, "original_exception", failed)

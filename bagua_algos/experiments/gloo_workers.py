@@ -101,15 +101,19 @@ def run_workers(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, pg
     ``backend`` group ("gloo": CPU tensors, and CUDA tensors staged through the host;
     "nccl": CUDA tensors over NCCL, CPU tensors over gloo, one GPU per worker).
 
-    Workers whose group does not form (no worker got past joining it, so ``fn`` ran
+    Workers whose group does not form (a worker failed to join it, and ``fn`` finished
     nowhere) are spawned once more, with a line on stderr: a gloo handshake can be broken
     from outside the test, by a client of another test, run beside it, still retrying
     an address whose ephemeral port the kernel has since handed to this group's listener
     ("Gloo connectFullMesh failed ... Connection closed by peer"). A group that does not
     form twice fails the caller."""
     for attempt in (1, 2):
-        outcome, failures, joined = _spawn_and_collect(fn, world_size, args, timeout, pg_timeout, env, backend)
-        formation_failed = not joined and any("in _join_group" in failure for failure in failures)
+        outcome, failures, _joined = _spawn_and_collect(fn, world_size, args, timeout, pg_timeout, env, backend)
+        # a worker that failed to join leaves the group unformed for all, whoever else joined
+        # (those then wait in their first collective until the timeout): spawn again unless
+        # some worker finished fn
+        finished = any(status == "ok" for status, _ in outcome.values())
+        formation_failed = not finished and any("in _join_group" in failure for failure in failures)
         if attempt == 1 and formation_failed:
             print(f"run_workers: the {world_size} workers' group did not form; spawning them once more. "
                   f"First failure:\n{failures[0][-1500:]}", file=sys.stderr, flush=True)

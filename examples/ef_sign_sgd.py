@@ -1,7 +1,8 @@
 """The template algorithm: error-feedback scaled-sign SGD, a whole Bagua algorithm in one file.
 
-Copy this file to start an algorithm (docs/DESIGN.md, "Adding an algorithm", lists the
-other files an addition touches). It is also an example that runs::
+Copy this file to start an algorithm: it registers itself and declares its row of the
+algorithm table at its end (docs/DESIGN.md, "Adding an algorithm", says what else goes
+with it: a test and the docs). It is also an example that runs::
 
     python -m bagua_algos.launch --backend gloo --nproc_per_node 2 examples/ef_sign_sgd.py --steps 60
 
@@ -39,7 +40,8 @@ import torch
 
 from bagua_algos.arguments import check_flag
 from bagua_algos.runtime import comm
-from bagua_algos.runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+from bagua_algos.algorithms.table import AlgorithmConfig, register_algorithm
+from bagua_algos.runtime.algorithm import Algorithm, AlgorithmImpl
 
 if TYPE_CHECKING:
     from bagua_algos.runtime.bucket import BaguaBucket
@@ -129,7 +131,16 @@ class EFSignSGDAlgorithm(Algorithm):
         return EFSignSGDAlgorithmImpl(process_group, self.error_feedback)
 
 
-GlobalAlgorithmRegistry.register("ef_sign_sgd", EFSignSGDAlgorithm, "scaled gradient signs averaged, with error feedback")
+# The name, and the algorithm's row (bagua_algos/algorithms/table.py): config_by_label
+# ("ef_sign_sgd") finds it once this module is imported; copied into bagua_algos/algorithms/
+# the file's rows are in ALGORITHM_TABLE, which the GPU, world-size-one and Lightning tests
+# run, at their position (1000: after the package's rows, 10 to 370). Every worker applies
+# the same mean message, so the models stay equal ("equal", the default); on another device
+# a sign can flip on a rounding difference and move a weight by a learning-rate step.
+register_algorithm(
+    "ef_sign_sgd", EFSignSGDAlgorithm, "scaled gradient signs averaged, with error feedback",
+    rows=[(1000, AlgorithmConfig("ef_sign_sgd", "ef_sign_sgd", tolerance=5e-3))],
+)
 
 
 def main(argv=None) -> None:

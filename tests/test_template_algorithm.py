@@ -41,6 +41,19 @@ def test_a_flag_that_is_not_a_bool_is_refused_by_name():
         ef_sign_sgd.EFSignSGDAlgorithm(error_feedback="yes")
 
 
+def test_its_row_is_found_by_label_once_the_module_is_imported():
+    """The template declares its row where it registers (register_algorithm), as a file
+    of the package does; outside the package the row is found by label, while the
+    package's table, which the suite runs, stays as the package declares it."""
+    from bagua_algos.algorithms.table import ALGORITHM_TABLE, config_by_label
+
+    row = config_by_label("ef_sign_sgd")
+    assert row.name == "ef_sign_sgd" and row.replicas == "equal"
+    algorithm = row.build()
+    assert isinstance(algorithm, ef_sign_sgd.EFSignSGDAlgorithm) and algorithm.error_feedback is True
+    assert "ef_sign_sgd" not in {config.label for config in ALGORITHM_TABLE}
+
+
 def _data(rank):
     g = torch.Generator().manual_seed(100 + rank)
     return torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g)

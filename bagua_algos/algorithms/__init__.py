@@ -1,78 +1,45 @@
-"""The algorithms; importing this package registers each under its Bagua name."""
+"""The algorithms: every module of this package, found and imported here.
 
-from .allreduce_average import AllreduceAverageAlgorithm, AllreduceAverageAlgorithmImpl
-from .async_model_average import AsyncModelAverageAlgorithm, AsyncModelAverageAlgorithmImpl
-from .atomo import AtomoAlgorithm
-from .bytegrad import ByteGradAlgorithm, ByteGradAlgorithmImpl
-from .d2 import D2Algorithm, D2AlgorithmImpl
-from .decentralized import DecentralizedAlgorithm, DecentralizedAlgorithmImpl, shift_one_peer
-from .demo import DeMoAlgorithm, DeMoAlgorithmImpl
-from .diloco import DiLoCoAlgorithm, DiLoCoAlgorithmImpl
-from .gradient_allreduce import GradientAllReduceAlgorithm, GradientAllReduceAlgorithmImpl
-from .gradient_tracking import GradientTrackingAlgorithm, GradientTrackingAlgorithmImpl
-from .low_precision_decentralized import LowPrecisionDecentralizedAlgorithm, LowPrecisionDecentralizedAlgorithmImpl
-from .q_adam import QAdamAlgorithm, QAdamAlgorithmImpl, QAdamOptimizer
-from .powersgd import PowerSGDAlgorithm, PowerSGDAlgorithmImpl
-from .random_block import RandomBlockAlgorithm
-from .random_k import RandomKAlgorithm
-from .random_sketch import RandomSketchAlgorithm, RandomSketchAlgorithmImpl
-from .relay import RelayAlgorithm, RelayAlgorithmImpl
-from .relaysum_grad import RelaySumGradAlgorithm, RelaySumGradAlgorithmImpl
-from .sgp import SGPAlgorithm, SGPAlgorithmImpl
-from .sign_norm import SignNormAlgorithm
-from .sparseloco import SparseLoCoAlgorithm, SparseLoCoAlgorithmImpl
-from .sparta import SpartaAlgorithm, SpartaAlgorithmImpl
-from .signum import SignumAlgorithm
-from .terngrad import TernGradAlgorithm, TernGradAlgorithmImpl
-from .unbiased_low_rank import UnbiasedLowRankAlgorithm
-from .top_k import TopKAlgorithm
+Importing a module registers its algorithm and declares its rows of the table (the
+``register_algorithm`` call at the module's end, bagua_algos/algorithms/table.py); once
+every module is imported the table collects those rows. The package re-exports what
+each module exports (its ``__all__``), so a new algorithm file needs no line here.
+"""
 
-__all__ = [
-    "AllreduceAverageAlgorithm",
-    "AllreduceAverageAlgorithmImpl",
-    "AsyncModelAverageAlgorithm",
-    "AsyncModelAverageAlgorithmImpl",
-    "AtomoAlgorithm",
-    "ByteGradAlgorithm",
-    "ByteGradAlgorithmImpl",
-    "D2Algorithm",
-    "D2AlgorithmImpl",
-    "DecentralizedAlgorithm",
-    "DeMoAlgorithm",
-    "DeMoAlgorithmImpl",
-    "DiLoCoAlgorithm",
-    "DiLoCoAlgorithmImpl",
-    "DecentralizedAlgorithmImpl",
-    "GradientAllReduceAlgorithm",
-    "GradientAllReduceAlgorithmImpl",
-    "GradientTrackingAlgorithm",
-    "GradientTrackingAlgorithmImpl",
-    "LowPrecisionDecentralizedAlgorithm",
-    "LowPrecisionDecentralizedAlgorithmImpl",
-    "QAdamAlgorithm",
-    "QAdamAlgorithmImpl",
-    "QAdamOptimizer",
-    "PowerSGDAlgorithm",
-    "PowerSGDAlgorithmImpl",
-    "RandomBlockAlgorithm",
-    "RandomKAlgorithm",
-    "RandomSketchAlgorithm",
-    "RandomSketchAlgorithmImpl",
-    "RelayAlgorithm",
-    "RelayAlgorithmImpl",
-    "RelaySumGradAlgorithm",
-    "RelaySumGradAlgorithmImpl",
-    "SGPAlgorithm",
-    "SGPAlgorithmImpl",
-    "SignNormAlgorithm",
-    "SignumAlgorithm",
-    "SparseLoCoAlgorithm",
-    "SparseLoCoAlgorithmImpl",
-    "SpartaAlgorithm",
-    "SpartaAlgorithmImpl",
-    "TernGradAlgorithm",
-    "TernGradAlgorithmImpl",
-    "UnbiasedLowRankAlgorithm",
-    "TopKAlgorithm",
-    "shift_one_peer",
-]
+import importlib as _importlib
+import pkgutil as _pkgutil
+
+from . import table as _table
+
+__all__: list = []
+
+
+def _import_every_module() -> None:
+    """Import each module of the package but the table, in module-name order, and
+    re-export each one's ``__all__``."""
+    owners: dict = {}  # exported name -> the module that exports it
+    modules = sorted(_pkgutil.iter_modules(__path__), key=lambda info: info.name)
+    module_names = {info.name for info in modules}
+    for info in modules:
+        if info.name == "table":
+            continue  # the collector of the rows, not an algorithm; its names are read from bagua_algos.algorithms.table
+        module = _importlib.import_module(f"{__name__}.{info.name}")
+        exported = getattr(module, "__all__", None)
+        if exported is None:
+            raise ImportError(f"{module.__name__} has no __all__: each module of the package lists the names the "
+                              f"package re-exports (an empty list if none)")
+        for name in exported:
+            if name in module_names:  # importing that module sets the package's attribute of the same name
+                raise ImportError(f"{module.__name__} exports {name!r}, the name of a module of the package")
+            value = getattr(module, name)  # an AttributeError names a listed name the module lacks
+            if name in owners and globals()[name] is not value:
+                raise ImportError(f"{name!r} is exported by both {owners[name]} and {module.__name__}: "
+                                  f"the package re-exports one object per name")
+            if name not in owners:
+                owners[name] = module.__name__
+                globals()[name] = value
+                __all__.append(name)
+
+
+_import_every_module()
+_table._collect_package_rows()

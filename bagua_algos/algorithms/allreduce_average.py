@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..arguments import check_interval
-from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry
+from ..runtime.algorithm import Algorithm
 from .model_averaging import ModelAveragingAlgorithmImpl
+from .table import AlgorithmConfig, register_algorithm
 
 if TYPE_CHECKING:
     from ..runtime.bucket import BaguaBucket
@@ -46,6 +47,7 @@ class AllreduceAverageAlgorithm(Algorithm):
         return AllreduceAverageAlgorithmImpl(process_group, self.communication_interval)
 
 
-GlobalAlgorithmRegistry.register(
-    "allreduce_average", AllreduceAverageAlgorithm, "average the models with an allreduce after each step"
+register_algorithm(
+    "allreduce_average", AllreduceAverageAlgorithm, "average the models with an allreduce after each step",
+    rows=[(30, AlgorithmConfig("allreduce_average", "allreduce_average", exact_alone=True, in_sweep=True))],
 )

@@ -34,10 +34,11 @@ from typing import TYPE_CHECKING
 
 from ..arguments import check_choice, check_int
 from ..runtime import comm
-from ..runtime.algorithm import (Algorithm, AlgorithmImpl, BackwardHook, ForwardPreHook, GlobalAlgorithmRegistry,
-                                 PostBackwardHook, PostOptimizerStepHook)
+from ..runtime.algorithm import (Algorithm, AlgorithmImpl, BackwardHook, ForwardPreHook, PostBackwardHook,
+                                 PostOptimizerStepHook)
 from ..runtime.bucket import BaguaBucket
 from .model_averaging import ModelAveragingAlgorithmImpl
+from .table import AlgorithmConfig, register_algorithm
 
 if TYPE_CHECKING:
     from ..runtime.ddp import BaguaDistributedDataParallel
@@ -274,6 +275,8 @@ class AsyncModelAverageAlgorithm(Algorithm):
         )
 
 
-GlobalAlgorithmRegistry.register(
-    "async", AsyncModelAverageAlgorithm, "average the models in the background while training goes on"
+register_algorithm(
+    "async", AsyncModelAverageAlgorithm, "average the models in the background while training goes on",
+    rows=[(370, AlgorithmConfig("async", "async", {"sync_interval_ms": 5}, replicas="drift", background_rounds=True,
+                                exact_alone=True))],
 )

@@ -18,8 +18,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..arguments import check_flag
-from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+from ..runtime.algorithm import Algorithm, AlgorithmImpl
 from ..runtime.bucket import aligned_buckets
+from .table import AlgorithmConfig, register_algorithm
 
 if TYPE_CHECKING:
     from ..runtime.bucket import BaguaBucket
@@ -68,6 +69,12 @@ class ByteGradAlgorithm(Algorithm):
         return ByteGradAlgorithmImpl(process_group, hierarchical=self.hierarchical, average=self.average)
 
 
-GlobalAlgorithmRegistry.register(
-    "bytegrad", ByteGradAlgorithm, "gradients averaged through 8-bit min-max compressed scatter-gather (Bagua's ByteGrad)"
+register_algorithm(
+    "bytegrad", ByteGradAlgorithm,
+    "gradients averaged through 8-bit min-max compressed scatter-gather (Bagua's ByteGrad)",
+    rows=[
+        # Bagua's default: exact within a node, 8-bit between node leaders.
+        (180, AlgorithmConfig("bytegrad", "bytegrad", tolerance=1e-3, exact_alone=True)),
+        (190, AlgorithmConfig("bytegrad_flat", "bytegrad", {"hierarchical": False}, tolerance=1e-3, in_sweep=True)),
+    ],
 )

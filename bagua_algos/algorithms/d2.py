@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry
+from ..runtime.algorithm import Algorithm
 from ..runtime.bucket import BaguaBucket
 from ..runtime.topology import check_topology_arg
 from .adapt_then_combine import AdaptThenCombineImpl
+from .table import AlgorithmConfig, register_algorithm
 
 __all__ = ["D2Algorithm", "D2AlgorithmImpl"]
 
@@ -82,4 +83,9 @@ class D2Algorithm(Algorithm):
         return D2AlgorithmImpl(process_group, self.topology)
 
 
-GlobalAlgorithmRegistry.register("d2", D2Algorithm, "D²: gossip with a correction for heterogeneous data")
+register_algorithm(
+    "d2", D2Algorithm, "D²: gossip with a correction for heterogeneous data",
+    # A baseline of the RelaySum paper, on the ring. It gossips after the optimizer step,
+    # so two workers (a ring of two mixes with weights 1/2) end every step equal: "drift".
+    rows=[(120, AlgorithmConfig("d2_ring", "d2", {"topology": "ring"}, replicas="drift", exact_alone=True))],
+)

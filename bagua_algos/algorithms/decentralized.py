@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING
 
 from ..arguments import check_choice, check_flag, check_interval
 from ..runtime import comm
-from ..runtime.algorithm import (Algorithm, ForwardPreHook, GlobalAlgorithmRegistry, PostBackwardHook,
-                                 PostOptimizerStepHook)
+from ..runtime.algorithm import Algorithm, ForwardPreHook, PostBackwardHook, PostOptimizerStepHook
 from ..runtime.bucket import BaguaBucket
 from ..runtime.ops import PEER_SELECTION_MODES, shift_one_peer
 from ..runtime.topology import check_topology_arg, resolve_topology
 from .model_averaging import ModelAveragingAlgorithmImpl
+from .table import AlgorithmConfig, register_algorithm
 
 if TYPE_CHECKING:
     from ..runtime.ddp import BaguaDistributedDataParallel
@@ -182,6 +182,24 @@ class DecentralizedAlgorithm(Algorithm):
         )
 
 
-GlobalAlgorithmRegistry.register(
-    "decentralized", DecentralizedAlgorithm, "D-PSGD: mix weights with peers while computing gradients"
+register_algorithm(
+    "decentralized", DecentralizedAlgorithm, "D-PSGD: mix weights with peers while computing gradients",
+    rows=[
+        # Bagua's defaults: average within each node, gossip ("all") between node leaders.
+        (40, AlgorithmConfig("decentralized", "decentralized", replicas="differ", exact_alone=True)),
+        (50, AlgorithmConfig("decentralized_ring", "decentralized", {"hierarchical": False, "topology": "ring"},
+                             replicas="differ", exact_alone=True, in_sweep=True)),
+        (60, AlgorithmConfig("decentralized_all", "decentralized",
+                             {"hierarchical": False, "peer_selection_mode": "all"},
+                             replicas="differ", exact_alone=True, in_sweep=True)),
+        (70, AlgorithmConfig("decentralized_shift_one", "decentralized",
+                             {"hierarchical": False, "peer_selection_mode": "shift_one"},
+                             min_workers=2, even_workers=True, replicas="differ")),
+        # A baseline of the RelaySum paper, with the others after relay's rows: D-PSGD with
+        # quasi-global momentum on the ring. It gossips after the optimizer step, so two
+        # workers (a ring of two mixes with weights 1/2) end every step equal: "drift".
+        (110, AlgorithmConfig("decentralized_ring_qgm", "decentralized",
+                              {"hierarchical": False, "topology": "ring", "quasi_global_momentum": True},
+                              replicas="drift")),
+    ],
 )

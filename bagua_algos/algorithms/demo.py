@@ -49,8 +49,8 @@ import torch
 
 from ..arguments import check_int, check_real
 from ..compression.chunked_topk import DCTTopKCodec
-from ..runtime.algorithm import GlobalAlgorithmRegistry
 from .allgather_compression import AllgatherCompressionAlgorithm, AllgatherCompressionImpl, warn_second_momentum
+from .table import AlgorithmConfig, register_algorithm
 
 __all__ = ["DeMoAlgorithm", "DeMoAlgorithmImpl"]
 
@@ -95,6 +95,9 @@ class DeMoAlgorithm(AllgatherCompressionAlgorithm):
         return DeMoAlgorithmImpl(process_group, self)
 
 
-GlobalAlgorithmRegistry.register(
+register_algorithm(
     "demo", DeMoAlgorithm,
-    "DeMo: each worker's momentum, its chunks' top DCT coefficients allgathered, the sign of their mean applied")
+    "DeMo: each worker's momentum, its chunks' top DCT coefficients allgathered, the sign of their mean applied",
+    # As with signum, a sign decided otherwise on another device moves a weight by a step.
+    rows=[(340, AlgorithmConfig("demo", "demo", {"chunk": 8, "topk": 8}, tolerance=5e-3))],
+)

@@ -75,10 +75,11 @@ import torch
 
 from ..arguments import check_choice, check_flag, check_int, check_real
 from ..runtime import comm
-from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry, PostOptimizerStepHook
+from ..runtime.algorithm import Algorithm, PostOptimizerStepHook
 from ..runtime.bucket import BaguaBucket, worker_numel
 from ..runtime.ops import compressed_scatter_gather
 from .model_averaging import ModelAveragingAlgorithmImpl
+from .table import AlgorithmConfig, register_algorithm
 
 if TYPE_CHECKING:
     from ..runtime.ddp import BaguaDistributedDataParallel
@@ -385,6 +386,18 @@ class DiLoCoAlgorithm(Algorithm):
         return DiLoCoAlgorithmImpl(process_group, self)
 
 
-GlobalAlgorithmRegistry.register(
+register_algorithm(
     "diloco", DiLoCoAlgorithm,
-    "DiLoCo: H inner steps, then an outer Nesterov SGD step on the averaged pseudo-gradient")
+    "DiLoCo: H inner steps, then an outer Nesterov SGD step on the averaged pseudo-gradient",
+    rows=[
+        # Inner steps apart, an outer Nesterov step every sync_every (short here, so short
+        # runs synchronise); the streaming form with two fragments and 8-bit deltas.
+        (300, AlgorithmConfig("diloco", "diloco", {"sync_every": 2}, replicas="drift")),
+        (310, AlgorithmConfig("diloco_streaming_8bit", "diloco",
+                              {"sync_every": 4, "fragments": 2, "compression": "minmax8"},
+                              replicas="drift", tolerance=1e-3)),
+        # Streaming DiLoCo's overlap: each fragment's outer step and merge one step after its sync.
+        (320, AlgorithmConfig("diloco_streaming_overlap", "diloco", {"sync_every": 4, "fragments": 2, "overlap": 1},
+                              replicas="drift")),
+    ],
+)

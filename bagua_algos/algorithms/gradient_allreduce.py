@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..arguments import check_flag
-from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+from ..runtime.algorithm import Algorithm, AlgorithmImpl
+from .table import AlgorithmConfig, register_algorithm
 
 if TYPE_CHECKING:
     from ..runtime.bucket import BaguaBucket
@@ -53,6 +54,11 @@ class GradientAllReduceAlgorithm(Algorithm):
         return GradientAllReduceAlgorithmImpl(process_group, self.hierarchical, self.average)
 
 
-GlobalAlgorithmRegistry.register(
-    "gradient_allreduce", GradientAllReduceAlgorithm, "allreduce the gradients every step (synchronous SGD)"
+register_algorithm(
+    "gradient_allreduce", GradientAllReduceAlgorithm, "allreduce the gradients every step (synchronous SGD)",
+    rows=[
+        (10, AlgorithmConfig("gradient_allreduce", "gradient_allreduce", exact_alone=True)),
+        (20, AlgorithmConfig("gradient_allreduce_hierarchical", "gradient_allreduce", {"hierarchical": True},
+                             exact_alone=True)),
+    ],
 )

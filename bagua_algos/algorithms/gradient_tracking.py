@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry
+from ..runtime.algorithm import Algorithm
 from ..runtime.bucket import BaguaBucket
 from ..runtime.topology import check_topology_arg
 from .adapt_then_combine import AdaptThenCombineImpl
+from .table import AlgorithmConfig, register_algorithm
 
 __all__ = ["GradientTrackingAlgorithm", "GradientTrackingAlgorithmImpl"]
 
@@ -82,6 +83,11 @@ class GradientTrackingAlgorithm(Algorithm):
         return GradientTrackingAlgorithmImpl(process_group, self.topology)
 
 
-GlobalAlgorithmRegistry.register(
-    "gradient_tracking", GradientTrackingAlgorithm, "Gradient tracking (DSGT): gossip the model and a tracker of the mean update"
+register_algorithm(
+    "gradient_tracking", GradientTrackingAlgorithm,
+    "Gradient tracking (DSGT): gossip the model and a tracker of the mean update",
+    # A baseline of the RelaySum paper, on the ring. It gossips after the optimizer step,
+    # so two workers (a ring of two mixes with weights 1/2) end every step equal: "drift".
+    rows=[(130, AlgorithmConfig("gradient_tracking_ring", "gradient_tracking", {"topology": "ring"},
+                                replicas="drift", exact_alone=True))],
 )

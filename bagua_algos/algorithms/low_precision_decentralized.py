@@ -25,8 +25,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..arguments import check_flag, check_interval
-from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry, PostOptimizerStepHook
+from ..runtime.algorithm import Algorithm, PostOptimizerStepHook
 from .model_averaging import ModelAveragingAlgorithmImpl
+from .table import AlgorithmConfig, register_algorithm
 
 if TYPE_CHECKING:
     from ..runtime.bucket import BaguaBucket
@@ -115,8 +116,10 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
         )
 
 
-GlobalAlgorithmRegistry.register(
+register_algorithm(
     "low_precision_decentralized",
     LowPrecisionDecentralizedAlgorithm,
     "decentralized SGD on a ring exchanging 8-bit compressed weight differences (Bagua's)",
+    rows=[(280, AlgorithmConfig("low_precision_decentralized", "low_precision_decentralized",
+                                {"hierarchical": False}, replicas="drift", tolerance=1e-3))],
 )

@@ -67,7 +67,8 @@ from ..compression.orthogonalization import DEFAULT_EPSILON
 from ..arguments import check_choice, check_flag, check_int, check_real, check_seed
 from ..runtime import comm
 from .byte_counts import CountsBytes
-from ..runtime.algorithm import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+from ..runtime.algorithm import Algorithm, AlgorithmImpl
+from .table import AlgorithmConfig, register_algorithm
 
 __all__ = ["PowerSGDAlgorithm", "PowerSGDAlgorithmImpl", "ASYNC_ERROR_MODES"]
 
@@ -485,6 +486,8 @@ class PowerSGDAlgorithm(Algorithm):
         return PowerSGDAlgorithmImpl(process_group, self)
 
 
-GlobalAlgorithmRegistry.register(
-    "powersgd", PowerSGDAlgorithm, "PowerSGD: rank-r gradient compression with error feedback"
+register_algorithm(
+    "powersgd", PowerSGDAlgorithm, "PowerSGD: rank-r gradient compression with error feedback",
+    # Gradient compression, synchronous: every worker holds the same model.
+    rows=[(200, AlgorithmConfig("powersgd", "powersgd", {"rank": 2}, in_sweep=True))],
 )

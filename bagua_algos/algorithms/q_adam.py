@@ -44,8 +44,9 @@ import torch
 from torch.optim.optimizer import Optimizer
 
 from ..arguments import check_choice, check_flag, check_int, check_real
-from ..runtime.algorithm import Algorithm, AlgorithmImpl, BackwardHook, GlobalAlgorithmRegistry
+from ..runtime.algorithm import Algorithm, AlgorithmImpl, BackwardHook
 from ..runtime.bucket import aligned_buckets
+from .table import AlgorithmConfig, OwnOptimizer, register_algorithm
 
 if TYPE_CHECKING:
     from ..runtime.bucket import BaguaBucket
@@ -321,6 +322,11 @@ class QAdamAlgorithm(Algorithm):
         return QAdamAlgorithm(optimizer, hierarchical=self.hierarchical), optimizer
 
 
-GlobalAlgorithmRegistry.register(
-    "qadam", QAdamAlgorithm, "Adam with exact warm-up, then the momentum averaged through 8-bit compression (Bagua's QAdam)"
+register_algorithm(
+    "qadam", QAdamAlgorithm,
+    "Adam with exact warm-up, then the momentum averaged through 8-bit compression (Bagua's QAdam)",
+    # Built on its own QAdamOptimizer, which the row builds (AlgorithmConfig.optimizer_for).
+    rows=[(290, AlgorithmConfig("qadam", "qadam", tolerance=1e-3,
+                                own_optimizer=OwnOptimizer(QAdamOptimizer, {"lr": 0.01, "warmup_steps": 2},
+                                                           "q_adam_optimizer")))],
 )

@@ -14,8 +14,8 @@ compresses, the whole tensor otherwise; the seed's setting) or ceil(numel / c)
 
 from __future__ import annotations
 
-from ..runtime.algorithm import GlobalAlgorithmRegistry
 from .random_sketch import RandomSelectionAlgorithm
+from .table import AlgorithmConfig, register_algorithm
 
 __all__ = ["RandomBlockAlgorithm"]
 
@@ -27,6 +27,9 @@ class RandomBlockAlgorithm(RandomSelectionAlgorithm):
     method = "random_block"
 
 
-GlobalAlgorithmRegistry.register(
+register_algorithm(
     "random_block", RandomBlockAlgorithm,
-    "Random Block: a shared random contiguous block of each tensor, allreduced, with error feedback (seed 001 Table 4)")
+    "Random Block: a shared random contiguous block of each tensor, allreduced, with error feedback (seed 001 Table 4)",
+    # At rank-2 PowerSGD's bytes (Table 4's "high rank 2" regime).
+    rows=[(220, AlgorithmConfig("random_block", "random_block", {"powersgd_rank": 2}))],
+)

@@ -16,8 +16,8 @@ compresses, the whole tensor otherwise; the seed's setting) or ceil(numel / c)
 
 from __future__ import annotations
 
-from ..runtime.algorithm import GlobalAlgorithmRegistry
 from .random_sketch import RandomSelectionAlgorithm
+from .table import AlgorithmConfig, register_algorithm
 
 __all__ = ["RandomKAlgorithm"]
 
@@ -29,6 +29,9 @@ class RandomKAlgorithm(RandomSelectionAlgorithm):
     method = "random_k"
 
 
-GlobalAlgorithmRegistry.register(
+register_algorithm(
     "random_k", RandomKAlgorithm,
-    "Random K: shared random entries of each tensor, allreduced, with error feedback (seed 001 Table 4)")
+    "Random K: shared random entries of each tensor, allreduced, with error feedback (seed 001 Table 4)",
+    # At rank-2 PowerSGD's bytes (Table 4's "high rank 2" regime).
+    rows=[(230, AlgorithmConfig("random_k", "random_k", {"powersgd_rank": 2}))],
+)

@@ -22,9 +22,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..arguments import check_real, check_seed
-from ..runtime.algorithm import Algorithm, ForwardPreHook, GlobalAlgorithmRegistry, PostOptimizerStepHook
+from ..runtime.algorithm import Algorithm, ForwardPreHook, PostOptimizerStepHook
 from ..runtime.topology import check_topology_arg
 from .relay import RelayAlgorithmImpl
+from .table import AlgorithmConfig, register_algorithm
 
 if TYPE_CHECKING:
     from ..runtime.bucket import BaguaBucket
@@ -102,6 +103,10 @@ class RelaySumGradAlgorithm(Algorithm):
         return RelaySumGradAlgorithmImpl(process_group, self.topology, self.drop_rate, self.seed)
 
 
-GlobalAlgorithmRegistry.register(
-    "relaysum_grad", RelaySumGradAlgorithm, "RelaySum/Grad: relay the updates over a tree, apply their delayed average"
+register_algorithm(
+    "relaysum_grad", RelaySumGradAlgorithm,
+    "RelaySum/Grad: relay the updates over a tree, apply their delayed average",
+    # A baseline of the RelaySum paper, on a chain. It communicates after the optimizer
+    # step, so two workers end every step equal: "drift".
+    rows=[(140, AlgorithmConfig("relaysum_grad_chain", "relaysum_grad", {"topology": "chain"}, replicas="drift"))],
 )

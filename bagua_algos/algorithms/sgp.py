@@ -20,10 +20,11 @@ the Metropolis–Hastings gossip (also doubly stochastic).
 from __future__ import annotations
 
 from ..arguments import check_int
-from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry
+from ..runtime.algorithm import Algorithm
 from ..runtime.bucket import BaguaBucket
 from ..runtime.topology import check_topology_arg
 from .adapt_then_combine import AdaptThenCombineImpl
+from .table import AlgorithmConfig, register_algorithm
 
 __all__ = ["SGPAlgorithm", "SGPAlgorithmImpl"]
 
@@ -74,6 +75,9 @@ class SGPAlgorithm(Algorithm):
         return SGPAlgorithmImpl(process_group, self.topology, self.push_sum_avg_steps)
 
 
-GlobalAlgorithmRegistry.register(
-    "sgp", SGPAlgorithm, "Stochastic Gradient Push: one peer a step over the time-varying exponential graph"
+register_algorithm(
+    "sgp", SGPAlgorithm, "Stochastic Gradient Push: one peer a step over the time-varying exponential graph",
+    # A baseline of the RelaySum paper, over the time-varying exponential graph.
+    rows=[(150, AlgorithmConfig("sgp", "sgp", {"topology": "one_peer_exponential"}, replicas="drift",
+                                exact_alone=True))],
 )

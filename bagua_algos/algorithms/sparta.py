@@ -44,10 +44,11 @@ import torch
 from ..arguments import check_int, check_real, check_seed
 from ..compression.powersgd import stable_seed
 from ..runtime import comm
-from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry, PostOptimizerStepHook
+from ..runtime.algorithm import Algorithm, PostOptimizerStepHook
 from ..runtime.bucket import BaguaBucket
 from .diloco import DiLoCoAlgorithm, DiLoCoAlgorithmImpl
 from .model_averaging import ModelAveragingAlgorithmImpl
+from .table import AlgorithmConfig, register_algorithm
 
 if TYPE_CHECKING:
     from ..runtime.ddp import BaguaDistributedDataParallel
@@ -212,6 +213,13 @@ class SpartaAlgorithm(Algorithm):
         return SpartaAlgorithmImpl(process_group, self)
 
 
-GlobalAlgorithmRegistry.register(
+register_algorithm(
     "sparta", SpartaAlgorithm,
-    "SPARTA: a random fraction of the parameters (the same places everywhere) averaged after every step")
+    "SPARTA: a random fraction of the parameters (the same places everywhere) averaged after every step",
+    rows=[
+        # A random 5 % of the parameters (the same places everywhere) averaged after every
+        # step; alone an average of one is the identity. Then with DiLoCo's outer step every 2 steps.
+        (350, AlgorithmConfig("sparta", "sparta", {"fraction": 0.05}, replicas="drift", exact_alone=True)),
+        (360, AlgorithmConfig("sparta_diloco", "sparta", {"fraction": 0.05, "sync_every": 2}, replicas="drift")),
+    ],
+)

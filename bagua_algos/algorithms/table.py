@@ -8,7 +8,10 @@ checks that the table names every algorithm the package registers, so an algorit
 added without a row fails the suite.
 
 A row (:class:`AlgorithmConfig`) is a registry name, keyword arguments for its
-constructor and traits. To train with a row::
+constructor and traits. Each algorithm file declares its own rows where it registers
+the algorithm, with :func:`register_algorithm` (a position orders them among every
+file's rows); bagua_algos.algorithms imports each of its modules, then collects their
+rows here, so this module imports no algorithm module. To train with a row::
 
     config = config_by_label("relay_chain")
     optimizer = config.optimizer_for(model.parameters(), lambda params: torch.optim.SGD(params, lr=0.1))
@@ -33,10 +36,10 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import torch
 
 from ..arguments import check_choice, check_flag, check_int, check_real
-from ..runtime.algorithm import Algorithm
-from .q_adam import QAdamOptimizer
+from ..runtime.algorithm import Algorithm, GlobalAlgorithmRegistry
 
-__all__ = ["AlgorithmConfig", "OwnOptimizer", "ALGORITHM_TABLE", "REPLICAS", "config_by_label", "one_per_algorithm"]
+__all__ = ["AlgorithmConfig", "OwnOptimizer", "ALGORITHM_TABLE", "REPLICAS", "config_by_label", "one_per_algorithm",
+           "register_algorithm"]
 
 REPLICAS = ("equal", "differ", "drift")
 """What an algorithm does to the workers' models (the ``replicas`` trait):
@@ -153,103 +156,83 @@ class AlgorithmConfig(_PicklesAsDicts):
         return Algorithm.init(self.name, **kwargs)
 
 
-_QADAM_OPTIMIZER = OwnOptimizer(QAdamOptimizer, {"lr": 0.01, "warmup_steps": 2}, "q_adam_optimizer")
+# Every declared row by label, with its position: the package's (declared while
+# bagua_algos.algorithms imports its modules) and those of modules imported since.
+_DECLARED: dict[str, tuple[int, AlgorithmConfig]] = {}
 
-# The first row of each name is that algorithm's representative (one_per_algorithm).
-# The rows with in_sweep=True are the sweep's defaults, in this order.
-ALGORITHM_TABLE: tuple[AlgorithmConfig, ...] = (
-    AlgorithmConfig("gradient_allreduce", "gradient_allreduce", exact_alone=True),
-    AlgorithmConfig("gradient_allreduce_hierarchical", "gradient_allreduce", {"hierarchical": True},
-                    exact_alone=True),
-    AlgorithmConfig("allreduce_average", "allreduce_average", exact_alone=True, in_sweep=True),
-    # Bagua's defaults: average within each node, gossip ("all") between node leaders.
-    AlgorithmConfig("decentralized", "decentralized", replicas="differ", exact_alone=True),
-    AlgorithmConfig("decentralized_ring", "decentralized", {"hierarchical": False, "topology": "ring"},
-                    replicas="differ", exact_alone=True, in_sweep=True),
-    AlgorithmConfig("decentralized_all", "decentralized", {"hierarchical": False, "peer_selection_mode": "all"},
-                    replicas="differ", exact_alone=True, in_sweep=True),
-    AlgorithmConfig("decentralized_shift_one", "decentralized",
-                    {"hierarchical": False, "peer_selection_mode": "shift_one"},
-                    min_workers=2, even_workers=True, replicas="differ"),
-    AlgorithmConfig("relay_chain", "relay", {"topology": "chain"}, replicas="drift", exact_alone=True, in_sweep=True),
-    AlgorithmConfig("relay_binary_tree", "relay", {"topology": "binary_tree"}, replicas="drift", exact_alone=True,
-                    in_sweep=True),
-    AlgorithmConfig("relay_double_binary_tree", "relay", {"topology": "double_binary_tree"}, replicas="drift",
-                    exact_alone=True, in_sweep=True),
-    # The RelaySum paper's baselines: D-PSGD with quasi-global momentum, D², gradient
-    # tracking on the ring; RelaySum/Grad on a chain; Stochastic Gradient Push over the
-    # time-varying exponential graph. The first four gossip after the optimizer step, so
-    # two workers (a ring of two mixes with weights 1/2) end every step equal: "drift".
-    AlgorithmConfig("decentralized_ring_qgm", "decentralized",
-                    {"hierarchical": False, "topology": "ring", "quasi_global_momentum": True}, replicas="drift"),
-    AlgorithmConfig("d2_ring", "d2", {"topology": "ring"}, replicas="drift", exact_alone=True),
-    AlgorithmConfig("gradient_tracking_ring", "gradient_tracking", {"topology": "ring"}, replicas="drift",
-                    exact_alone=True),
-    AlgorithmConfig("relaysum_grad_chain", "relaysum_grad", {"topology": "chain"}, replicas="drift"),
-    AlgorithmConfig("sgp", "sgp", {"topology": "one_peer_exponential"}, replicas="drift", exact_alone=True),
-    # The TernGrad paper's setting: 2 bits, stochastic, clipped at 2.5 σ. Unclipped, the
-    # sweep's non-IID runs collapse (0.64 at α = 0.1), it seems because the largest entries set each
-    # chunk's range and the 4 levels round the rest to ±range/3 (docs/results.md).
-    AlgorithmConfig("terngrad", "terngrad", {"bits": 2, "clip": 2.5}, device_independent=False, tolerance=5e-3,
-                    in_sweep=True),
-    AlgorithmConfig("terngrad_nearest", "terngrad", {"stochastic": False}, tolerance=5e-3),
-    # Bagua's default: exact within a node, 8-bit between node leaders.
-    AlgorithmConfig("bytegrad", "bytegrad", tolerance=1e-3, exact_alone=True),
-    AlgorithmConfig("bytegrad_flat", "bytegrad", {"hierarchical": False}, tolerance=1e-3, in_sweep=True),
-    # Gradient compression, synchronous: every worker holds the same model.
-    AlgorithmConfig("powersgd", "powersgd", {"rank": 2}, in_sweep=True),
-    # Seed 001's linear compressors (allreduce; the same model everywhere). Random Block and
-    # Random K at rank-2 PowerSGD's bytes (Table 4's "high rank 2" regime).
-    AlgorithmConfig("unbiased_low_rank", "unbiased_low_rank", {"rank": 2}),
-    AlgorithmConfig("random_block", "random_block", {"powersgd_rank": 2}),
-    AlgorithmConfig("random_k", "random_k", {"powersgd_rank": 2}),
-    # The allgather compressors of seed 001 (Table 4, Table 6): deterministic, every worker
-    # applies the same update. Across devices a value's sign, or which entry is K-th largest,
-    # can flip on a rounding difference and move that weight by a learning-rate-sized step.
-    AlgorithmConfig("top_k", "top_k", {"bytes_fraction": 0.1}, tolerance=5e-3),
-    AlgorithmConfig("sign_norm", "sign_norm", tolerance=5e-3),
-    AlgorithmConfig("signum", "signum", tolerance=5e-3),
-    # Atomo draws its components on the CPU (the same sets on every device); a CUDA SVD
-    # rounds otherwise, and a component's σ/p is a large factor.
-    AlgorithmConfig("atomo", "atomo", {"rank": 2}, tolerance=5e-3),
-    AlgorithmConfig("low_precision_decentralized", "low_precision_decentralized", {"hierarchical": False},
-                    replicas="drift", tolerance=1e-3),
-    AlgorithmConfig("qadam", "qadam", own_optimizer=_QADAM_OPTIMIZER, tolerance=1e-3),
-    # DiLoCo: inner steps apart, an outer Nesterov step every sync_every (short here, so
-    # short runs synchronise); the streaming form with two fragments and 8-bit deltas
-    AlgorithmConfig("diloco", "diloco", {"sync_every": 2}, replicas="drift"),
-    AlgorithmConfig("diloco_streaming_8bit", "diloco", {"sync_every": 4, "fragments": 2, "compression": "minmax8"},
-                    replicas="drift", tolerance=1e-3),
-    # Streaming DiLoCo's overlap: each fragment's outer step and merge one step after its sync
-    AlgorithmConfig("diloco_streaming_overlap", "diloco", {"sync_every": 4, "fragments": 2, "overlap": 1},
-                    replicas="drift"),
-    # SparseLoCo: DiLoCo's inner steps, then each worker's error-fed chunk-wise Top-k at 2 bits and a plain
-    # outer step on their mean (short H and small chunks, so that short runs synchronise, several chunks a
-    # tensor). On another device an entry taken otherwise (a near tie, a level boundary) moves one value.
-    AlgorithmConfig("sparseloco", "sparseloco", {"sync_every": 2, "chunk": 8, "topk_density": 0.1},
-                    replicas="drift", tolerance=5e-3),
-    # DeMo: each worker's momentum, its chunks' top DCT coefficients allgathered, the sign of their decoded mean
-    # applied by SGD (as signum, a sign decided otherwise on another device moves a weight by a step)
-    AlgorithmConfig("demo", "demo", {"chunk": 8, "topk": 8}, tolerance=5e-3),
-    # SPARTA: a random 5 % of the parameters (the same places everywhere) averaged after every step; alone an
-    # average of one is the identity. Then with DiLoCo's outer step every 2 steps.
-    AlgorithmConfig("sparta", "sparta", {"fraction": 0.05}, replicas="drift", exact_alone=True),
-    AlgorithmConfig("sparta_diloco", "sparta", {"fraction": 0.05, "sync_every": 2}, replicas="drift"),
-    AlgorithmConfig("async", "async", {"sync_interval_ms": 5}, replicas="drift", background_rounds=True,
-                    exact_alone=True),
-)
+# The package's rows by position: assigned by _collect_package_rows once every module of
+# the package is imported (until then reading it raises, see __getattr__ below).
+ALGORITHM_TABLE: tuple[AlgorithmConfig, ...]
 
-_BY_LABEL = {config.label: config for config in ALGORITHM_TABLE}
-if len(_BY_LABEL) != len(ALGORITHM_TABLE):
-    raise RuntimeError(f"ALGORITHM_TABLE: labels repeat: {sorted(c.label for c in ALGORITHM_TABLE)}")
+
+def register_algorithm(name: str, cls, description: str, rows) -> None:
+    """Register ``cls`` in ``GlobalAlgorithmRegistry`` as ``name`` and declare its rows
+    of the table: the one call an algorithm file makes, at its end.
+
+    ``rows`` is a non-empty sequence of ``(position, AlgorithmConfig)`` pairs, every
+    row of algorithm ``name``. The integer position orders the rows: ALGORITHM_TABLE
+    lists the package's rows by increasing position (test ids, the sweep's default
+    rows and the first row of each name, one_per_algorithm's, follow it), so a row
+    chooses its place among every file's rows without a list kept elsewhere.
+
+    The rows are checked before anything is registered: a bad row leaves neither the
+    name nor any row behind. A module outside the package (a user's file) declares its
+    rows the same way; they are found by :func:`config_by_label` once it is imported,
+    while ALGORITHM_TABLE stays the package's rows, fixed when the package is imported,
+    so that what the suite and the sweep run does not depend on what else was imported.
+    """
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Iterable):
+        raise TypeError(f"{name!r}: rows must be a sequence of (position, AlgorithmConfig) pairs, got {rows!r}")
+    rows = tuple(rows)
+    if not rows:
+        raise ValueError(f"{name!r}: rows must hold at least one (position, AlgorithmConfig) pair: every "
+                         f"algorithm has a row of the table")
+    labels = set()
+    for pair in rows:
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise TypeError(f"{name!r}: each of rows must be a (position, AlgorithmConfig) pair, got {pair!r}")
+        position, row = pair
+        if not isinstance(row, AlgorithmConfig):
+            raise TypeError(f"{name!r}: the second of each rows pair must be an AlgorithmConfig, got {row!r}")
+        check_int(f"{row.label}: position", position)
+        if row.name != name:
+            raise ValueError(f"{row.label}: a row of {name!r} must have name={name!r}, got name={row.name!r}")
+        if row.label in labels or row.label in _DECLARED:
+            raise ValueError(f"{row.label}: the label is declared twice (labels are unique in the table)")
+        labels.add(row.label)
+    GlobalAlgorithmRegistry.register(name, cls, description)  # refuses a name already taken, before any row is kept
+    for position, row in rows:
+        _DECLARED[row.label] = (position, row)
+
+
+def _collect_package_rows() -> None:
+    """Fix ALGORITHM_TABLE: every row declared so far, by position. bagua_algos.algorithms
+    calls it once, after importing each of its modules (which declared their rows)."""
+    global ALGORITHM_TABLE
+    ordered = sorted(_DECLARED.values(), key=lambda pair: pair[0])
+    for (first, a), (second, b) in zip(ordered, ordered[1:]):
+        if first == second:
+            raise ValueError(f"rows {a.label!r} and {b.label!r} have the same position {first}: positions order "
+                             f"the table, so each is unique")
+    ALGORITHM_TABLE = tuple(row for _, row in ordered)
+
+
+def __getattr__(attribute: str):
+    # Read before _collect_package_rows ran, that is from an algorithm module while the
+    # package imports its modules: the table is not complete yet.
+    if attribute == "ALGORITHM_TABLE":
+        raise RuntimeError("ALGORITHM_TABLE is collected once bagua_algos.algorithms has imported every algorithm "
+                           "module; read it after that import, not while a module of the package is imported")
+    raise AttributeError(f"module {__name__!r} has no attribute {attribute!r}")
 
 
 def config_by_label(label: str) -> AlgorithmConfig:
-    """The row labelled ``label``."""
+    """The row labelled ``label``: one of ALGORITHM_TABLE, or of an algorithm registered
+    outside the package whose module is imported."""
     try:
-        return _BY_LABEL[label]
+        return _DECLARED[label][1]
     except (KeyError, TypeError):
-        raise ValueError(f"no algorithm configuration labelled {label!r}; labels: {sorted(_BY_LABEL)}") from None
+        raise ValueError(f"no algorithm configuration labelled {label!r}; labels: {sorted(_DECLARED)}") from None
 
 
 def one_per_algorithm() -> tuple[AlgorithmConfig, ...]:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from ..arguments import check_int, check_real, check_seed
 from ..compression import random_sketch as sketch
-from ..runtime.algorithm import GlobalAlgorithmRegistry
 from .random_sketch import RandomSketchAlgorithm
+from .table import AlgorithmConfig, register_algorithm
 
 __all__ = ["UnbiasedLowRankAlgorithm"]
 
@@ -49,6 +49,9 @@ class UnbiasedLowRankAlgorithm(RandomSketchAlgorithm):
         return sketch.make_plan(self.method, shapes, rank=self.rank, min_compression_rate=self.min_compression_rate)
 
 
-GlobalAlgorithmRegistry.register(
+register_algorithm(
     "unbiased_low_rank", UnbiasedLowRankAlgorithm,
-    "unbiased rank-r compression: M U with a shared random U, E[U Uᵀ] = I (seed 001 Table 1)")
+    "unbiased rank-r compression: M U with a shared random U, E[U Uᵀ] = I (seed 001 Table 1)",
+    # One of seed 001's linear compressors (allreduce; the same model everywhere).
+    rows=[(210, AlgorithmConfig("unbiased_low_rank", "unbiased_low_rank", {"rank": 2}))],
+)

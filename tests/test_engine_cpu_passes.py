@@ -19,8 +19,8 @@ import torch
 import cuda_ext
 from bagua_algos.algorithms import DecentralizedAlgorithm
 from bagua_algos.engine import Engine
-from bagua_algos.runtime.gossip import StackedMix
-from bagua_algos.runtime.rows import engine_cpu_passes, torch_passes_only
+from bagua_algos.engine.gossip import StackedMix
+from bagua_algos.engine.rows import engine_cpu_passes, torch_passes_only
 from bagua_algos.runtime.topology import NeighbourTable
 from topologies import available_topologies, get_topology
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from bagua_algos.runtime.gossip import StackedMix
-from bagua_algos.runtime.rows import MAX_RUNS, RowGather, arithmetic_runs, run_calls
+from bagua_algos.engine.gossip import StackedMix
+from bagua_algos.engine.rows import MAX_RUNS, RowGather, arithmetic_runs, run_calls
 from bagua_algos.runtime.topology import NeighbourTable, resolve_topology
 
 

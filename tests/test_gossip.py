@@ -1,7 +1,7 @@
 """The one gossip (bagua_algos/runtime/gossip.py): its neighbour table, its three kinds of
-W_t on the engine's stacked rows against the plain formulas, and its accelerator
-(StackedMix) against its own exchange path: the same terms in the same order, so equal
-bit for bit (torch passes; the compiled sweep is held to them in
+W_t on the engine's stacked rows against the plain formulas, and the engine's neighbour
+allreduce (StackedMix, from the rows themselves) against the exchange path a process
+takes: the same terms in the same order, so equal bit for bit (torch passes; the compiled sweep is held to them in
 test_engine_cpu_passes.py). The processes' side is test_engine_equality.py's (every
 gossiping algorithm, engine against gloo processes) and test_model_averaging.py's."""
 
@@ -14,9 +14,11 @@ from hypothesis import strategies as st
 
 import topologies
 from bagua_algos.runtime import comm
-from bagua_algos.runtime.comm.stacked import StackedGroup, stacked_world
-from bagua_algos.runtime.gossip import Gossip, StackedMix, pairwise_average_, pairwise_average_and_copy_
-from bagua_algos.runtime.rows import torch_passes_only
+from bagua_algos.engine.gossip import StackedMix
+from bagua_algos.engine.rows import torch_passes_only
+from bagua_algos.engine.transport import StackedGroup
+from bagua_algos.runtime.comm.process import exchange_and_combine
+from bagua_algos.runtime.gossip import Gossip, pairwise_average_, pairwise_average_and_copy_
 from bagua_algos.runtime.topology import NeighbourTable
 from topologies import ShiftOneTopology, get_topology, shift_one_peer
 
@@ -96,7 +98,7 @@ def test_a_fixed_topology_is_its_metropolis_hastings_matrix(name, n):
     world, gossip = _gossip(get_topology(name, n), n)
     x = torch.randn(n, 33, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
     expected = _dense_w(gossip.topology) @ x
-    with stacked_world(world):
+    with comm.using_transport(world):
         gossip.mix_(x)
     torch.testing.assert_close(x, expected, rtol=1e-12, atol=1e-12)
 
@@ -106,11 +108,10 @@ def test_a_fixed_topology_is_its_metropolis_hastings_matrix(name, n):
 def test_a_time_varying_topology_averages_each_pair(topology):
     n = topology.world_size
     world, gossip = _gossip(topology, n)
-    assert gossip.accelerator is None
     x = torch.randn(n, 9, generator=torch.Generator().manual_seed(1))
     for step in range(4):
         expected = torch.stack([(x[i] + x[topology.in_peer(i, step)]) * 0.5 for i in range(n)])
-        with stacked_world(world):
+        with comm.using_transport(world):
             gossip.mix_(x, step)
         assert torch.equal(x, expected)
 
@@ -121,7 +122,7 @@ def test_all_is_the_members_average():
     gossip = Gossip(None, list(range(n)), list(range(n)), world)
     x = torch.randn(n, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     expected = x.mean(0, keepdim=True).expand_as(x)
-    with stacked_world(world):
+    with comm.using_transport(world):
         gossip.mix_(x)
     torch.testing.assert_close(x, expected)
 
@@ -131,27 +132,29 @@ def test_pairwise_average_is_the_mean_of_two():
     assert torch.equal(pairwise_average_(x, y), torch.tensor([1.5, 0.0, 0.375]))
 
 
-# ---------------------------------------------------------------- the accelerator
+# ---------------------------------------------------------------- the engine's mix
 @pytest.mark.parametrize("name", FIXED)
 @pytest.mark.parametrize("n", [2, 7, 12])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_accelerator_equals_the_exchange_bit_for_bit(name, n, dtype):
-    """Gossip on the engine with its accelerator and through comm's neighbour exchange
-    (the path a process takes, W = n): the same bits, three exchanges in a row, on
-    strided rows (the bucket's columns of a wider matrix)."""
-    world, fast = _gossip(get_topology(name, n), n)
-    _, slow = _gossip(get_topology(name, n), n)
-    assert fast.accelerator is not None
-    slow.accelerator = None
+def test_the_engines_mix_equals_the_exchange_bit_for_bit(name, n, dtype):
+    """Gossip on the engine (its transport's neighbour allreduce, from the rows) and the
+    path a process takes (the exchange into receive buffers, then the product and a
+    multiply-add per slot: exchange_and_combine over the engine's exchange, W = n): the
+    same bits and the same bytes counted, three exchanges in a row, on strided rows (the
+    bucket's columns of a wider matrix)."""
+    world, gossip = _gossip(get_topology(name, n), n)
     wide = torch.randn(n, 50, generator=torch.Generator().manual_seed(3)).to(dtype)
     a, b = wide.clone()[:, 4:41], wide.clone()[:, 4:41]
-    with stacked_world(world), torch_passes_only():
+    self_weight, weight = gossip.table.weights_as(b)
+    pairs = [(peer, weight[:, s:s + 1]) for s, peer in enumerate(gossip._peers)]
+    received = torch.zeros(n, len(pairs), b.shape[1], dtype=dtype)
+    with comm.using_transport(world), torch_passes_only():
         for step in range(3):
             comm.reset_bytes_sent()
-            fast.mix_(a, step)
+            gossip.mix_(a, step)
             counted = comm.reset_bytes_sent()
-            slow.mix_(b, step)
-            assert counted == comm.reset_bytes_sent() > 0  # the accelerator counts the exchange's bytes
+            exchange_and_combine(world.neighbor_exchange, b, b, self_weight, pairs, received)
+            assert counted == comm.reset_bytes_sent() > 0  # the mix counts the exchange's bytes
             assert torch.equal(a, b)
 
 
@@ -162,14 +165,13 @@ def test_the_accelerator_equals_the_exchange_bit_for_bit(name, n, dtype):
 def test_mix_into_is_the_copy_then_mix_bit_for_bit(topology, dtype):
     """mix_into(x, out) (the decentralized op's path in a job: x sent from the bucket,
     the result built in peer_weight) leaves x as it was and out as out.copy_(x) then
-    mix_(out) would, bit for bit, through the exchange (not the accelerator)."""
+    mix_(out) would, bit for bit."""
     n = 5 if topology is None else topology.world_size
     world = StackedGroup(n)
     into, inplace = (Gossip(topology, list(range(n)), list(range(n)), world) for _ in range(2))
-    into.accelerator = inplace.accelerator = None
     g = torch.Generator().manual_seed(4)
     x = (torch.randn(n, 33, generator=g) * torch.logspace(-6, 6, 33)).to(dtype)
-    with stacked_world(world):
+    with comm.using_transport(world):
         for step in range(4):
             before, out, expected = x.clone(), torch.full_like(x, float("nan")), x.clone()
             into.mix_into(x, out, step)
@@ -189,9 +191,8 @@ def test_exchange_into_then_finish_is_mix_into_then_the_copy_back(topology):
     n = 5 if topology is None else topology.world_size
     world = StackedGroup(n)
     split, whole = (Gossip(topology, list(range(n)), list(range(n)), world) for _ in range(2))
-    split.accelerator = whole.accelerator = None
     x = torch.randn(n, 70_001, generator=torch.Generator().manual_seed(5)) * 10
-    with stacked_world(world):
+    with comm.using_transport(world):
         for step in range(3):
             expected_out, expected_x = torch.full_like(x, float("nan")), x.clone()
             whole.mix_into(expected_x, expected_out, step)
@@ -261,7 +262,7 @@ def test_a_job_s_time_varying_exchange_in_place_and_into_gives_the_formula():
 
 def test_one_member_and_bad_shapes():
     world = StackedGroup(3)
-    with stacked_world(world):
+    with comm.using_transport(world):
         alone = Gossip(get_topology("ring", 1), [0], [0], world)
         x = torch.ones(1, 4)
         alone.mix_(x)
@@ -275,6 +276,8 @@ def test_one_member_and_bad_shapes():
         Gossip(get_topology("ring", 3), [], [0, 1, 2], world)
     with pytest.raises(ValueError, match=r"table must hold every row of the stacked world in order"):
         StackedMix(NeighbourTable(get_topology("ring", 3), [1, 2]))
+    with pytest.raises(ValueError, match=r"neighbours must be an \[n, D\] long tensor or a NeighbourTable"):
+        StackedMix(torch.zeros(3, dtype=torch.long))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

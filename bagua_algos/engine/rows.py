@@ -1,6 +1,6 @@
 """Row gathers of the stacked state as a few strided slices, prepared as calls.
 
-The gossip's accelerator on the engine (:class:`~.gossip.StackedMix`), relay's
+The engine's neighbour allreduce (:class:`~.gossip.StackedMix`), relay's
 messages on the engine and the stacked neighbour exchange combine rows of ``[rows, L]``
 matrices by index: ``out[r] += src[index[r]]``. ``index_select`` then ``add_`` costs two passes over the
 rows and a buffer; but the indices of the usual topologies are made of arithmetic runs

@@ -50,7 +50,7 @@ import torch
 from bagua_algos.algorithms import (AllreduceAverageAlgorithm, DecentralizedAlgorithm,
                                     PowerSGDAlgorithm, RelayAlgorithm)
 from bagua_algos.engine import Engine, StackedRuntime
-from bagua_algos.runtime.rows import torch_passes_only
+from bagua_algos.engine.rows import torch_passes_only
 from bagua_algos.experiments.data import SmallCNN, ResNet20
 
 MODELS = {

@@ -38,8 +38,7 @@ from typing import Callable, List, Optional
 import torch
 
 from ..arguments import check_int
-from . import ops
-from .comm import stacked as comm_stacked
+from . import comm, ops
 from .tensor import BaguaTensor
 
 __all__ = ["BaguaBucket", "split_into_buckets", "worker_numel", "aligned_buckets", "DEFAULT_BUCKET_SIZE",
@@ -82,11 +81,12 @@ class BaguaBucket:
         # n stacked workers on the one-process engine. How the effective tensors are laid
         # out is the one thing that differs, and only here: a job's are a worker's own,
         # [*shape]; the engine's are stacked, [n, *shape] (one row a worker).
-        world = comm_stacked.active_world()
-        self.workers: int = 1 if world is None else world.n
+        transport = comm.current_transport()
+        lead = transport.row_dims  # the effective tensors' leading dims: () in a job, (n,) on the engine
+        self.workers: int = lead[0] if lead else 1
         """W, the number of workers whose rows the bucket's flat tensors hold: 1 in a job,
         n on the one-process engine."""
-        self._tensor_lead = () if world is None else (world.n,)  # the effective tensors' leading dims
+        self._tensor_lead = lead
         first = _effective_or_proxy(tensors[0])
         for tensor in tensors:
             effective = _effective_or_proxy(tensor)
@@ -96,9 +96,9 @@ class BaguaBucket:
                     f"{effective.dtype} on {effective.device}, {tensors[0].bagua_tensor_name!r} is "
                     f"{first.dtype} on {first.device}"
                 )
-            if world is not None and (effective.dim() == 0 or effective.shape[0] != world.n):
+            if lead and (effective.dim() == 0 or effective.shape[0] != self.workers):
                 raise ValueError(f"bucket {name!r}: on the one-process engine {tensor.bagua_tensor_name!r} must be "
-                                 f"stacked, [{world.n}, ...] (a row per worker), got {tuple(effective.shape)}")
+                                 f"stacked, [{self.workers}, ...] (a row per worker), got {tuple(effective.shape)}")
         self.tensors = tensors
         """The Bagua tensors of the bucket (the padding tensor excluded)."""
         self.name = name
@@ -109,7 +109,7 @@ class BaguaBucket:
         total = sum(self._worker_numel(t) for t in tensors)
         if alignment > 1 and total % alignment:
             padding = alignment - total % alignment
-            values = None if world is None else world.padding_view(self.name, _effective_or_proxy(tensors[-1]), padding)
+            values = transport.padding_view(self.name, _effective_or_proxy(tensors[-1]), padding)
             if values is None:
                 values = torch.zeros(*self._tensor_lead, padding, dtype=self.dtype, device=self.device)
             self.padding_tensor = values.ensure_bagua_tensor(
@@ -431,8 +431,8 @@ def bucket_groups(sizes: List[int], kinds: list, bucket_size: int = DEFAULT_BUCK
 def worker_numel(tensor) -> int:
     """A worker's number of values of a Bagua tensor's effective tensor (on the
     one-process engine, one row of its stacked ``[n, *shape]``)."""
-    world = comm_stacked.active_world()
-    return int(_effective_or_proxy(tensor).numel()) // (1 if world is None else world.n)
+    lead = comm.current_transport().row_dims
+    return int(_effective_or_proxy(tensor).numel()) // (lead[0] if lead else 1)
 
 
 def split_into_buckets(

@@ -18,29 +18,22 @@ workers on the engine), or ``[L]`` for one worker. Three kinds of W_t:
    pairwise average (:func:`pairwise_average_`);
 3. none (Bagua's ``"all"``): x ← the mean over the members, an allreduce average.
 
-The accelerator. When the group is the engine's stacked world and the topology is fixed,
-every row's neighbours are rows of x itself, so :class:`StackedMix` computes (1) from x
-without the exchange into ``[W, D, L]`` receive buffers: the same terms in the same
-order, each rounded alike, by cuda_ext's compiled sweep where its CPU module is loaded
-(csrc/engine_cpu.cpp, in place) or else by torch passes over row gathers
-(:class:`~.rows.RowGather`: the product into a spare, a strided multiply-add per slot,
-copied back). A padded slot (a worker with fewer than D neighbours) is skipped there,
-where the exchange adds 0·0: an exact zero. It counts the bytes the exchange would.
+A fixed topology's step is ``comm.neighbor_allreduce``: its transport computes (1), a
+process by the exchange into ``[W, D, L]`` receive buffers, the one-process engine from
+the neighbours' rows of x itself (``bagua_algos.engine.gossip``), the same terms in the
+same order either way.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
 from . import comm
-from .comm.stacked import count_neighbor_exchange
-from .rows import RowGather, engine_cpu_passes, run_calls
 from .topology import NeighbourTable
 
-__all__ = ["Gossip", "StackedMix", "pairwise_average_", "pairwise_average_and_copy_"]
+__all__ = ["Gossip", "pairwise_average_", "pairwise_average_and_copy_"]
 
 
 def pairwise_average_(x: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
@@ -98,11 +91,11 @@ class Gossip:
     Example::
 
         >>> import torch, topologies
-        >>> from bagua_algos.runtime.comm.stacked import StackedGroup, stacked_world
+        >>> from bagua_algos.engine.transport import StackedGroup
         >>> world = StackedGroup(4)
         >>> gossip = Gossip(topologies.RingTopology(4), [0, 1, 2, 3], [0, 1, 2, 3], world)
         >>> x = torch.arange(4.0).unsqueeze(1)
-        >>> with stacked_world(world):
+        >>> with comm.using_transport(world):
         ...     gossip.mix_(x, step=0)
         >>> [round(v, 4) for v in x.squeeze(1).tolist()]   # (x_{i-1} + x_i + x_{i+1}) / 3
         [1.3333, 1.0, 2.0, 1.6667]
@@ -113,15 +106,13 @@ class Gossip:
         self.rows = list(rows)
         self.member_ranks = list(member_ranks)
         self.group = group
-        self.stacked = comm.is_stacked(group)
         self.members = len(self.member_ranks) if topology is None else topology.world_size
         if topology is not None and topology.world_size != len(self.member_ranks):
             raise ValueError(f"member_ranks must name a rank for each of the topology's {topology.world_size} "
                              f"members, got {len(self.member_ranks)}")
         if not self.rows:
             raise ValueError("rows must name at least one member (the workers this process runs)")
-        self._received: dict = {}  # (shape, dtype, device) -> [W, D, L] receive buffers
-        self.accelerator: Optional[StackedMix] = None
+        self._received: dict = {}  # (shape, dtype, device) -> [W, 1, L]: a time-varying exchange's receive buffer
         self.table = None
         if topology is None or self.members == 1:
             self.slots = 0  # an allreduce, or nothing: no receive slot
@@ -132,8 +123,6 @@ class Gossip:
         self.table = NeighbourTable(topology, self.rows)
         self.slots = self.table.slots
         self._peers = [self._peer(self.table.neighbours[:, s].tolist()) for s in range(self.slots)]
-        if self.stacked and self.rows == list(range(self.members)):
-            self.accelerator = StackedMix(self.table)
 
     def _peer(self, members: list):
         """Members as ``comm`` takes a peer: a ``[W]`` long tensor of ranks (−1: none), W = 1 in a job."""
@@ -184,7 +173,7 @@ class Gossip:
         ``out`` holds the peer's x. Anything else is :meth:`mix_into` now, and ``finish``
         the copy."""
         if not self.exchanges_pairwise:
-            self.mix_into(x, out, step)  # (the accelerator serves fixed topologies only)
+            self.mix_into(x, out, step)
             return lambda target=None: out if target is None else target.copy_(out)
         handle, finish = self.start_exchange_into(x, out, step)
         handle.wait()
@@ -224,23 +213,14 @@ class Gossip:
             self._pairwise(rows, received, step).wait()
             pairwise_average_(rows, received)
             return
-        if self.accelerator is not None:
-            count_neighbor_exchange(self.group, [(peer, rows) for peer in self._peers])
-            self.accelerator.mix_(rows)
-            return
         self._fixed(rows, rows)
 
     def _fixed(self, rows: torch.Tensor, into_rows: torch.Tensor) -> None:
         """A fixed topology's exchange of ``rows`` with every neighbour, then
-        into_rows ← w_ii · rows + Σ_j w_ij · received_j (in place when ``into_rows``
-        is ``rows``: the exchange is over before it is written)."""
-        received = self._buffer(rows)
-        comm.neighbor_exchange([(peer, rows) for peer in self._peers],
-                               [(peer, received[:, s]) for s, peer in enumerate(self._peers)], group=self.group)
+        into_rows ← w_ii · rows + Σ_j w_ij · received_j (``into_rows`` may be ``rows``)."""
         self_weight, weight = self.table.weights_as(rows)
-        torch.mul(rows, self_weight, out=into_rows)
-        for s in range(self.slots):
-            into_rows.addcmul_(received[:, s], weight[:, s:s + 1])
+        comm.neighbor_allreduce(rows, into_rows, self_weight,
+                                [(peer, weight[:, s:s + 1]) for s, peer in enumerate(self._peers)], group=self.group)
 
     def mix_into(self, x: torch.Tensor, out: torch.Tensor, step: int = 0) -> torch.Tensor:
         """out ← W_t x, x left as it is (read while the exchange sends it): the terms
@@ -252,7 +232,7 @@ class Gossip:
         rows, into_rows = self._as_rows(x), self._as_rows(out)
         if into_rows.shape != rows.shape:
             raise ValueError(f"out must be shaped as x, {tuple(x.shape)}; got {tuple(out.shape)}")
-        if self.members == 1 or self.topology is None or self.accelerator is not None:
+        if self.members == 1 or self.topology is None:
             out.copy_(x)
             self.mix_(out, step)
             return out
@@ -262,82 +242,3 @@ class Gossip:
             return out
         self._fixed(rows, into_rows)
         return out
-
-
-class StackedMix:
-    """The accelerator behind :class:`Gossip` on the engine: x ← W x for all n stacked
-    rows of a fixed topology, the neighbours read from x itself (no exchange).
-
-    Row i: (1) out_i = x_i · w_ii, one product; (2) out_i += x_{j_ik} · w_ik for each slot
-    k in order, one multiply-add; rows without a k-th neighbour take nothing. These are
-    :meth:`Gossip.mix_`'s terms in its order, the weights rounded from the same float64
-    table, so every worker's result is what its process computes.
-
-    Two codings: :meth:`mix` (torch passes: each slot a :class:`~.rows.RowGather`, a
-    ring's slot two strided multiply-adds, prepared once per (x, out) pair) and, where
-    cuda_ext's CPU module is loaded, its ``engine_gossip_mix_`` (one sweep, in place, in
-    column blocks kept in L2; csrc/engine_cpu.cpp). :meth:`mix_` takes the compiled one
-    where it can."""
-
-    def __init__(self, table: NeighbourTable):
-        if table.rows != list(range(len(table.rows))):
-            raise ValueError(f"table must hold every row of the stacked world in order, got rows {table.rows}")
-        self.table = table
-        self.n = len(table.rows)
-        self._gathers = [RowGather(table.slot(k), "cpu") for k in range(table.slots)]
-        self._by_device: dict = {}  # device -> its row gathers
-        self._prepared: dict = {}  # (x, out) -> calls
-        self._spare: Optional[torch.Tensor] = None
-
-    def _gathers_on(self, device) -> list:
-        key = str(device)
-        if key not in self._by_device:
-            self._by_device[key] = ([RowGather(self.table.slot(k), device) for k in range(self.table.slots)]
-                                    if torch.device(device).type != "cpu" else self._gathers)
-        return self._by_device[key]
-
-    def _calls(self, x: torch.Tensor, out: torch.Tensor) -> list:
-        """The passes of ``mix(x, out)``, prepared for the last two (x, out) pairs."""
-        key = (x.data_ptr(), out.data_ptr(), x.shape, x.stride(), out.stride(), x.dtype, x.device)
-        calls = self._prepared.get(key)
-        if calls is None:
-            self_weight, weight = self.table.weights_as(x)
-            calls = [(functools.partial(torch.mul, out=out), (x, self_weight))]
-            for k, gather in enumerate(self._gathers_on(x.device)):
-                calls += gather.add_calls(out, x, weight[:, k:k + 1])
-            self._prepared = {**dict(list(self._prepared.items())[-1:]), key: calls}
-        return calls
-
-    def _check(self, name: str, t: torch.Tensor) -> None:
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] != self.n:
-            raise ValueError(f"{name} must be [{self.n}, L] (a row per stacked worker), "
-                             f"got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-
-    def mix(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out ← W x by torch passes (the terms above, in their order); ``out`` must not
-        overlap x."""
-        self._check("x", x)
-        self._check("out", out)
-        run_calls(self._calls(x, out))
-        return out
-
-    def mix_compiled_(self, x: torch.Tensor) -> bool:
-        """x ← W x in place by cuda_ext's compiled sweep where it is loaded
-        (:func:`~.rows.engine_cpu_passes`); returns False, doing nothing, where it is not."""
-        passes = engine_cpu_passes(x)
-        if passes is None:
-            return False
-        self_weight, weight = self.table.weights_as(x)
-        passes.engine_gossip_mix_(x, self_weight.view(-1), self.table.neighbours, weight)
-        return True
-
-    def mix_(self, x: torch.Tensor) -> torch.Tensor:
-        """x ← W x in place: compiled where loaded, else the torch passes into a spare,
-        copied back."""
-        self._check("x", x)
-        if self.mix_compiled_(x):
-            return x
-        if self._spare is None or self._spare.shape != x.shape or self._spare.dtype != x.dtype \
-                or self._spare.device != x.device:
-            self._spare = torch.empty_like(x)
-        return x.copy_(self.mix(x, self._spare))

@@ -1,5 +1,5 @@
 // The one-process engine's D-PSGD mix on the stacked state ([n, d]: row i is worker i's
-// parameters) as one sweep, in place (bagua_algos/runtime/gossip.py's StackedMix, the accelerator
+// parameters) as one sweep, in place (bagua_algos/engine/gossip.py's StackedMix, the engine's neighbour allreduce
 // behind Gossip, calls it for the decentralized op on the engine's stacked rows, where this module is loaded):
 //
 //   x_i <- w_i x_i + sum_k w_ik x_{j_ik}      (the old x on the right; slots k in order)

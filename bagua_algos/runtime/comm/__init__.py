@@ -92,28 +92,33 @@ the compatibility package imports a few others from their modules):
 * ``collectives``: the 18 collectives and ``send``/``recv``;
 * ``hierarchical`` (with ``helper_thread``): the two-level allreduce;
 * ``neighbors``: the neighbour exchange, ``all_gather_object`` and ``broadcast_object``;
-* ``stacked``: the one-process engine's communicator, every worker a row of each tensor.
+* ``transport``: the interface every call is answered through (:class:`Transport`), and
+  which transport answers a call; ``process``: the job's processes' transport, which
+  binds the implementations above; ``api``: the public calls, each handing its arguments
+  to its transport. The one-process engine's transport, every worker a row of each
+  tensor, is the engine's own (``bagua_algos.engine.transport``).
 """
 
 from __future__ import annotations
 
 from .checks import _as_communicator  # noqa: F401 - for tests and Bagua's private names
-from .collectives import (allgather, allgather_inplace, allreduce, allreduce_inplace, alltoall, alltoall_inplace,
-                          alltoall_v, alltoall_v_inplace, barrier, broadcast, gather, gather_inplace, recv, reduce,
-                          reduce_inplace, reduce_scatter, reduce_scatter_inplace, scatter, scatter_inplace, send)
 from . import fault_tolerance  # noqa: F401 - comm.fault_tolerance: torchft replicas (opt-in)
-from .counter import bytes_sent, reset_bytes_sent
-from .env import get_local_rank, get_local_size, get_node_rank, get_rank, get_world_size, is_initialized, leads_node
-from .groups import (DEFAULT_TIMEOUT, BaguaCommunicator, BaguaProcessGroup, _get_default_group, _state,  # noqa: F401
-                     from_torch_group, get_backend_name, group_rank, group_ranks, inter_node_group, intra_node_group,
-                     new_group)
+from .api import (_get_default_group, all_gather_object, allgather, allgather_inplace, allreduce,  # noqa: F401
+                  allreduce_inplace, alltoall, alltoall_inplace, alltoall_v, alltoall_v_inplace, barrier, broadcast,
+                  broadcast_object, gather, gather_inplace, get_local_rank, get_local_size, get_node_rank, get_rank,
+                  get_world_size, group_rank, group_ranks, hierarchical_allreduce_inplace, inter_node_group,
+                  intra_node_group, is_initialized, leads_node, neighbor_allreduce, neighbor_exchange, recv, reduce,
+                  reduce_inplace, reduce_scatter, reduce_scatter_inplace, scatter, scatter_inplace, send,
+                  start_neighbor_exchange, worker_ranks)
+from .counter import bytes_sent, count_sent, reset_bytes_sent
+from .groups import (DEFAULT_TIMEOUT, BaguaCommunicator, BaguaProcessGroup, _state,  # noqa: F401
+                     from_torch_group, get_backend_name, new_group)
 from .handle import CommHandle
-from .hierarchical import hierarchical_allreduce_inplace
 from .lifecycle import BACKEND_ENV, BACKENDS, choose_backend, destroy_process_group, init_process_group
-from .neighbors import all_gather_object, broadcast_object, neighbor_exchange, start_neighbor_exchange
+from .process import PROCESS_TRANSPORT, ProcessTransport
 from .reduce_op import ReduceOp
-from .stacked import StackedGroup, is_stacked, stacked_world
 from .staging import _Staging  # noqa: F401 - tests force it on CPU tensors
+from .transport import Transport, current_transport, transport_for, using_transport
 
 __all__ = [
     # Bagua's communication module
@@ -169,7 +174,14 @@ __all__ = [
     "start_neighbor_exchange",
     "bytes_sent",
     "reset_bytes_sent",
-    "StackedGroup",
-    "is_stacked",
-    "stacked_world",
+    "count_sent",
+    "neighbor_allreduce",
+    "worker_ranks",
+    # the transports
+    "Transport",
+    "ProcessTransport",
+    "PROCESS_TRANSPORT",
+    "current_transport",
+    "transport_for",
+    "using_transport",
 ]

@@ -7,8 +7,6 @@ tensors moved through :class:`~.staging._Staging`."""
 
 from __future__ import annotations
 
-from . import stacked as _stacked
-
 import torch
 import torch.distributed as dist
 
@@ -86,7 +84,6 @@ def _check_divisible(name: str, tensor: torch.Tensor, n: int) -> None:
         raise ValueError(f"{name}.numel() = {tensor.numel()} must be divisible by the number of ranks ({n})")
 
 
-@_stacked.dispatch(_stacked.allreduce_inplace)
 def allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm=None, *, group=None,
                       async_op: bool = False):
     """``tensor`` ← reduction over the communicator of every member's ``tensor``."""
@@ -101,7 +98,6 @@ def allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm=No
     return _finish(st.handle([work], finishers), async_op)
 
 
-@_stacked.dispatch(_stacked.allreduce)
 def allreduce(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm=None, *,
               group=None, async_op: bool = False):
     """``recv_tensor`` ← reduction of every member's ``send_tensor``; ``send_tensor`` is kept."""
@@ -115,7 +111,6 @@ def allreduce(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: ReduceOp
     return allreduce_inplace(recv_tensor, op, group=c, async_op=async_op)
 
 
-@_stacked.dispatch(_stacked.broadcast)
 def broadcast(tensor: torch.Tensor, src: int = 0, comm=None, *, group=None, async_op: bool = False):
     """Every member's ``tensor`` ← ``tensor`` of rank ``src`` (see the module's note on ranks)."""
     c, ranks = _open("broadcast", comm, group, tensor)
@@ -129,7 +124,6 @@ def broadcast(tensor: torch.Tensor, src: int = 0, comm=None, *, group=None, asyn
     return _finish(st.handle([work]), async_op)
 
 
-@_stacked.dispatch(_stacked.reduce)
 def reduce(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, comm=None,
            *, group=None, async_op: bool = False):
     """``recv_tensor`` of rank ``dst`` ← reduction of every member's ``send_tensor``.
@@ -149,7 +143,6 @@ def reduce(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, op: R
     return _reduce_into(buffer, dst, op, c, async_op)
 
 
-@_stacked.dispatch(_stacked.reduce_inplace)
 def reduce_inplace(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, comm=None, *, group=None,
                    async_op: bool = False):
     """``tensor`` of rank ``dst`` ← reduction of every member's ``tensor``; the other
@@ -174,7 +167,6 @@ def _reduce_into(buffer: torch.Tensor, dst: int, op: ReduceOp, c: BaguaCommunica
     return _finish(st.handle([work], finishers), async_op)
 
 
-@_stacked.dispatch(_stacked.allgather)
 def allgather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm=None, *, group=None, async_op: bool = False):
     """``recv_tensor`` (nranks × ``send_tensor.numel()`` elements) ← every member's
     ``send_tensor``, in communicator-rank order."""
@@ -190,7 +182,6 @@ def allgather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm=None, *
     return _finish(st.handle([work]), async_op)
 
 
-@_stacked.dispatch(_stacked.allgather_inplace)
 def allgather_inplace(tensor: torch.Tensor, comm=None, *, group=None, async_op: bool = False):
     """In-place :func:`allgather`: ``tensor`` holds nranks equal chunks; each member's
     chunk at its rank is its input, and all chunks are the output."""
@@ -208,7 +199,6 @@ def allgather_inplace(tensor: torch.Tensor, comm=None, *, group=None, async_op: 
     return _finish(st.handle([work]), async_op)
 
 
-@_stacked.dispatch(_stacked._refuse_gather)
 def gather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, comm=None, *, group=None,
            async_op: bool = False):
     """``recv_tensor`` of rank ``dst`` (nranks × ``send_tensor.numel()`` elements) ←
@@ -259,7 +249,6 @@ def _rooted_inplace(c: BaguaCommunicator, ranks: str, tensor: torch.Tensor, coun
     return root, n, at_root, tensor.view(-1)
 
 
-@_stacked.dispatch(_stacked._refuse_gather_inplace)
 def gather_inplace(tensor: torch.Tensor, count: int, dst: int, comm=None, *, group=None, async_op: bool = False):
     """In-place :func:`gather`: on rank ``dst`` ``tensor`` has nranks × ``count``
     elements, its own input being chunk ``dst``; elsewhere it has ``count`` elements."""
@@ -279,7 +268,6 @@ def gather_inplace(tensor: torch.Tensor, count: int, dst: int, comm=None, *, gro
     return _finish(st.handle([work]), async_op)
 
 
-@_stacked.dispatch(_stacked._refuse_scatter)
 def scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, src: int, comm=None, *, group=None,
             async_op: bool = False):
     """Each member's ``recv_tensor`` ← its chunk (by communicator rank) of rank
@@ -299,7 +287,6 @@ def scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, src: int, comm
     return _finish(st.handle([work]), async_op)
 
 
-@_stacked.dispatch(_stacked._refuse_scatter_inplace)
 def scatter_inplace(tensor: torch.Tensor, count: int, src: int, comm=None, *, group=None, async_op: bool = False):
     """In-place :func:`scatter`: on rank ``src`` ``tensor`` has nranks × ``count``
     elements (its own share, chunk ``src``, stays in place); elsewhere it has ``count``
@@ -318,7 +305,6 @@ def scatter_inplace(tensor: torch.Tensor, count: int, src: int, comm=None, *, gr
     return _finish(st.handle([work]), async_op)
 
 
-@_stacked.dispatch(_stacked.reduce_scatter)
 def reduce_scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm=None, *,
                    group=None, async_op: bool = False):
     """Member k's ``recv_tensor`` ← reduction of chunk k of every member's
@@ -338,7 +324,6 @@ def reduce_scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: Red
     return _finish(st.handle([work], finishers), async_op)
 
 
-@_stacked.dispatch(_stacked.reduce_scatter_inplace)
 def reduce_scatter_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm=None, *, group=None,
                            async_op: bool = False):
     """In-place :func:`reduce_scatter`: ``tensor`` holds nranks equal chunks; afterwards
@@ -362,7 +347,6 @@ def reduce_scatter_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, co
     return _finish(st.handle([work], finishers + [lambda: mine.copy_(out)]), async_op)
 
 
-@_stacked.dispatch(_stacked.alltoall)
 def alltoall(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm=None, *, group=None, async_op: bool = False):
     """Chunk j of member i's ``send_tensor`` → chunk i of member j's ``recv_tensor``
     (both of nranks equal chunks)."""
@@ -383,13 +367,11 @@ def alltoall(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm=None, *,
     return _finish(st.handle([work]), async_op)
 
 
-@_stacked.dispatch(_stacked.alltoall_inplace)
 def alltoall_inplace(tensor: torch.Tensor, comm=None, *, group=None, async_op: bool = False):
     """In-place :func:`alltoall`."""
     return alltoall(tensor, tensor, comm, group=group, async_op=async_op)
 
 
-@_stacked.dispatch(_stacked._refuse_alltoall_v)
 def alltoall_v(send_tensor: torch.Tensor, send_counts, send_displs, recv_tensor: torch.Tensor, recv_counts,
                recv_displs, comm=None, *, group=None, async_op: bool = False):
     """All-to-all with a count and a displacement per rank (as MPI_Alltoallv).
@@ -416,7 +398,6 @@ def alltoall_v(send_tensor: torch.Tensor, send_counts, send_displs, recv_tensor:
                        recv_counts, recv_displs, recv_packed, c, async_op)
 
 
-@_stacked.dispatch(_stacked._refuse_alltoall_v_inplace)
 def alltoall_v_inplace(tensor: torch.Tensor, counts, displs, comm=None, *, group=None, async_op: bool = False):
     """In-place :func:`alltoall_v`: the region ``displs[j]``, ``counts[j]`` of ``tensor``
     is sent to member j and replaced by what member j sends (so member j's
@@ -461,7 +442,6 @@ def _alltoall_v(send, send_counts, send_displs, send_packed, recv, recv_counts, 
     return _finish(st.handle([work], finishers), async_op)
 
 
-@_stacked.dispatch(_stacked.barrier)
 def barrier(comm=None, *, group=None, async_op: bool = False):
     """Block until every member of the communicator has entered ``barrier``."""
     c, _ = _open("barrier", comm, group)
@@ -471,7 +451,6 @@ def barrier(comm=None, *, group=None, async_op: bool = False):
     return _finish(CommHandle([work]), async_op)
 
 
-@_stacked.dispatch(_stacked._refuse_send)
 def send(tensor: torch.Tensor, dst: int, comm=None, *, group=None, async_op: bool = False):
     """Send ``tensor`` to rank ``dst`` (an int, or a ``[1]`` long tensor: one worker's
     peer) (blocking unless ``async_op``)."""
@@ -487,7 +466,6 @@ def send(tensor: torch.Tensor, dst: int, comm=None, *, group=None, async_op: boo
     return _finish(st.handle([work]), async_op)
 
 
-@_stacked.dispatch(_stacked._refuse_recv)
 def recv(tensor: torch.Tensor, src: int, comm=None, *, group=None, async_op: bool = False):
     """Receive ``tensor`` from rank ``src`` (an int, or a ``[1]`` long tensor: one
     worker's peer) (blocking unless ``async_op``)."""

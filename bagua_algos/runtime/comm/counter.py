@@ -21,6 +21,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+count_sent = _count  # (for a transport: it counts what its calls send, as comm's documentation says)
+
+
 def bytes_sent() -> int:
     """Bytes this process has handed to collectives and sends since the last
     :func:`reset_bytes_sent` (what is counted: see the module's docstring)."""

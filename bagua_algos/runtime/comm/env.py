@@ -3,8 +3,6 @@ process group once it exists, else from the launcher's environment variables).""
 
 from __future__ import annotations
 
-from . import stacked as _stacked
-
 import os
 
 import torch.distributed as dist
@@ -26,7 +24,6 @@ def _env_int(name: str, default: int | None = None) -> int:
         raise RuntimeError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-@_stacked.dispatch(_stacked.is_initialized)
 def is_initialized() -> bool:
     """Whether the default process group exists."""
     return dist.is_available() and dist.is_initialized()
@@ -40,39 +37,24 @@ def _require_init(what: str) -> None:
         )
 
 
-@_stacked.dispatch(_stacked.get_rank)
-def get_rank(group=None) -> int:
-    """This process's rank: in the job (RANK, default 0, also before
-    :func:`init_process_group`), or inside ``group`` (a communicator, a
-    :class:`BaguaProcessGroup` or a torch group; -1 if not a member)."""
-    if group is None:
-        return dist.get_rank() if is_initialized() else _env_int("RANK", 0)
-    _require_init("get_rank(group)")
-    from .groups import _as_communicator  # groups build on these getters
-
-    return _as_communicator(group).rank()
+def get_rank() -> int:
+    """This process's rank in the job (RANK, default 0, also before
+    :func:`init_process_group`)."""
+    return dist.get_rank() if is_initialized() else _env_int("RANK", 0)
 
 
-@_stacked.dispatch(_stacked.get_world_size)
-def get_world_size(group=None) -> int:
-    """Number of processes: in the job (WORLD_SIZE, default 1, also before
-    :func:`init_process_group`), or in ``group``."""
-    if group is None:
-        return dist.get_world_size() if is_initialized() else _env_int("WORLD_SIZE", 1)
-    _require_init("get_world_size(group)")
-    from .groups import _as_communicator
-
-    return _as_communicator(group).nranks()
+def get_world_size() -> int:
+    """Number of processes in the job (WORLD_SIZE, default 1, also before
+    :func:`init_process_group`)."""
+    return dist.get_world_size() if is_initialized() else _env_int("WORLD_SIZE", 1)
 
 
-@_stacked.dispatch(_stacked.get_rank)
 def get_local_rank() -> int:
     """Rank among the processes of this node (LOCAL_RANK; default 0 before
     :func:`init_process_group`, which sets it to the rank when it is missing)."""
     return _env_int("LOCAL_RANK", get_rank() if is_initialized() else 0)
 
 
-@_stacked.dispatch(_stacked.leads_node)
 def leads_node() -> bool:
     """Whether this process's workers lead their node in Bagua's hierarchical pattern
     (local rank 0: reduce within the node, the leaders' work, broadcast back). On the
@@ -81,14 +63,12 @@ def leads_node() -> bool:
     return get_local_rank() == 0
 
 
-@_stacked.dispatch(_stacked.get_local_size)
 def get_local_size() -> int:
     """Number of processes on this node (LOCAL_WORLD_SIZE; default 1 before
     :func:`init_process_group`, which sets it to the world size when it is missing)."""
     return _env_int("LOCAL_WORLD_SIZE", get_world_size() if is_initialized() else 1)
 
 
-@_stacked.dispatch(_stacked.get_node_rank)
 def get_node_rank() -> int:
     """Index of this node: ``get_rank() // get_local_size()`` (nodes hold consecutive
     ranks, as under Bagua's launcher and torchrun)."""

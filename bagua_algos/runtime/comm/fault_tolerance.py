@@ -194,21 +194,21 @@ def job_replicas() -> Optional[List[str]]:
 def job_rank(group=None) -> int:
     """``get_rank()`` for a script: under torchft the replica's slot among the job's
     replicas (fixed for the job, whichever replicas are live), else ``comm.get_rank``."""
-    from .env import get_rank
+    from .transport import transport_for
 
     if group is None and active() and _ft.get("slot") is not None:
         return _ft["slot"][0]
-    return get_rank(group)
+    return transport_for(None, group).get_rank(group)
 
 
 def job_world_size(group=None) -> int:
     """``get_world_size()`` for a script: under torchft the number of the job's replicas
     (the collectives run over the live quorum, ``comm.get_world_size()``)."""
-    from .env import get_world_size
+    from .transport import transport_for
 
     if group is None and active() and _ft.get("slot") is not None:
         return _ft["slot"][1]
-    return get_world_size(group)
+    return transport_for(None, group).get_world_size(group)
 
 
 def is_loopback(host: str) -> bool:

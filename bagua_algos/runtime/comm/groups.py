@@ -4,8 +4,6 @@ lookups between communicators, groups and ranks."""
 
 from __future__ import annotations
 
-from . import stacked as _stacked
-
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -216,7 +214,6 @@ class BaguaProcessGroup:
         return f"BaguaProcessGroup({self.group_name}, ranks={self.ranks})"
 
 
-@_stacked.dispatch(_stacked.this_group)
 def _get_default_group() -> BaguaProcessGroup:
     """The :class:`BaguaProcessGroup` of the whole job."""
     if not is_initialized():
@@ -287,28 +284,24 @@ def _as_communicator(x) -> BaguaCommunicator:
     )
 
 
-@_stacked.dispatch(_stacked.get_rank)
 def group_rank(group) -> int:
     """This process's rank inside ``group``, or -1 if it is not a member."""
     _require_init("group_rank()")
     return _as_communicator(group).rank()
 
 
-@_stacked.dispatch(_stacked.group_ranks)
 def group_ranks(group) -> list[int]:
     """The global ranks of ``group``, in group-rank order."""
     _require_init("group_ranks()")
     return list(_as_communicator(group).ranks)
 
 
-@_stacked.dispatch(_stacked.this_group)
 def intra_node_group() -> BaguaCommunicator:
     """The processes on this node (consecutive global ranks, LOCAL_WORLD_SIZE of them)."""
     _require_init("intra_node_group()")
     return _get_default_group()._node_groups().intra
 
 
-@_stacked.dispatch(_stacked.leaders)
 def inter_node_group() -> BaguaCommunicator:
     """The processes with this process's local rank, one on each node."""
     _require_init("inter_node_group()")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from . import stacked as _stacked
-
 import torch
 import torch.distributed as dist
 
@@ -36,7 +34,6 @@ def _hierarchical_groups() -> NodeGroups:
     return node
 
 
-@_stacked.dispatch(_stacked.hierarchical_allreduce_inplace)
 def hierarchical_allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False):
     """Allreduce over all workers in two levels: within each node, then across nodes
     between processes of equal local rank (each then holds the global result).

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from . import stacked as _stacked
-
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -17,7 +15,6 @@ from .handle import CommHandle
 from .staging import _Staging
 
 
-@_stacked.dispatch(_stacked.start_neighbor_exchange)
 def start_neighbor_exchange(
     sends: Mapping[int, torch.Tensor] | Sequence[tuple[int, torch.Tensor]],
     recvs: Mapping[int, torch.Tensor] | Sequence[tuple[int, torch.Tensor]],
@@ -79,13 +76,11 @@ def start_neighbor_exchange(
     return st.handle(works)
 
 
-@_stacked.dispatch(_stacked.neighbor_exchange)
 def neighbor_exchange(sends, recvs, group=None) -> None:
     """Blocking :func:`start_neighbor_exchange`."""
     start_neighbor_exchange(sends, recvs, group).wait()
 
 
-@_stacked.dispatch(_stacked.all_gather_object)
 def all_gather_object(obj, comm=None, *, group=None) -> list:
     """Every member's picklable ``obj``, in communicator-rank order (e.g. to compare
     model fingerprints before any tensor is sent)."""
@@ -95,7 +90,6 @@ def all_gather_object(obj, comm=None, *, group=None) -> list:
     return out
 
 
-@_stacked.dispatch(_stacked.broadcast_object)
 def broadcast_object(obj, src: int = 0, comm=None, *, group=None):
     """Bagua's ``broadcast_object(obj, src=0, comm=None)``: the picklable ``obj`` of
     rank ``src`` (a communicator rank with ``comm=``, a global rank with ``group=``),

@@ -50,11 +50,10 @@ class DecentralizedSynchronousOp:
     (or a time-varying topology) between workers, the op leaves the peer's weights in
     peer_weight, and copy_back averages them with the bucket's and writes the result
     into both in one sweep (:meth:`~..gossip.Gossip.exchange_into`): after copy_back
-    peer_weight holds the mixed weights, as Bagua's tests read them. On the
-    one-process engine (a stacked group) the gossip itself runs at copy_back, in place
-    on every worker's weights (see ``__call__``); there a fixed topology's gossip takes
-    the gossip's accelerator (:class:`~..gossip.StackedMix`), the same terms without the
-    exchange.
+    peer_weight holds the mixed weights, as Bagua's tests read them. Where the
+    group's transport runs every call on the caller's thread (``runs_in_caller``: the
+    one-process engine) the gossip itself runs at copy_back, in place on every worker's
+    weights (see ``_execute``).
     """
 
     def __init__(self, bucket, peer_weight, hierarchical: bool, peer_selection_mode: str, group, topology=None):
@@ -73,9 +72,9 @@ class DecentralizedSynchronousOp:
         self.group = group
         self._state = bucket.state  # checkpointed by the runtime with the bucket
         self._state.setdefault("decentralized_exchanges", 0)
-        # On the one-process engine (a stacked group) the workers are one node, every row
-        # leads it (its node's gossip is among one leader), and the ranks are the rows.
-        self.stacked = comm.is_stacked(group)
+        # A transport that runs its calls on the caller's thread leaves nothing to overlap:
+        # the gossip then runs at copy_back, in place (see _execute).
+        self.in_place = comm.transport_for(None, group).runs_in_caller
         if self.hierarchical:
             if not is_whole_world(group):
                 raise ValueError("hierarchical=True gossips between nodes of all workers; use the default group")
@@ -104,8 +103,8 @@ class DecentralizedSynchronousOp:
         # hierarchical); None with one member, whose gossip is the weights themselves.
         self.gossip = None
         if members > 1:
-            # the rows of x: this rank's member index, or every worker on the engine
-            rows = list(range(members)) if self.stacked else [self.my_index]
+            # the rows of x: the members whose workers this process runs (a job: its own)
+            rows = [self.my_index] if self.hierarchical else comm.worker_ranks(group)
             exchange_group = comm.inter_node_group() if self.hierarchical and topology is None else group
             self.gossip = Gossip(topology, rows, self.peer_ranks, exchange_group)
         # post(): a job's pairwise exchange of CPU weights between workers may be posted
@@ -113,7 +112,7 @@ class DecentralizedSynchronousOp:
         # not yet run, its (handle, finish), its posting error, or None (the op
         # exchanges itself); _exchanging is set while an execution runs. Both under
         # _post_lock, so an exchange is posted only while none is queued or in flight.
-        self.postable = (self.gossip is not None and not self.stacked and not self.hierarchical
+        self.postable = (self.gossip is not None and not self.in_place and not self.hierarchical
                          and self.gossip.exchanges_pairwise and effective(peer_weight).device.type == "cpu")
         self._posted: deque = deque()
         self._exchanging = False
@@ -156,8 +155,8 @@ class DecentralizedSynchronousOp:
         if self.local_only:
             self._state["decentralized_exchanges"] += 1
             return
-        if self.stacked:
-            # The one-process engine runs forward and backward between this op and
+        if self.in_place:
+            # The transport runs forward and backward between this op and
             # copy_back_peer_weight on one thread, with the weights unchanged: there is no
             # communication to overlap, so the gossip of x^t runs at copy_back, in place on
             # the weights (the two copies through peer_weight saved; it is not filled).
@@ -187,7 +186,7 @@ class DecentralizedSynchronousOp:
                 self._finish = finish
         self._state["decentralized_exchanges"] += 1
 
-    _deferred = None  # the engine: the exchange count of the gossip copy_back runs, if one is due
+    _deferred = None  # in_place: the exchange count of the gossip copy_back runs, if one is due
     _finish = None  # a job: what completes the last exchange (Gossip.exchange_into), due at copy_back
 
     def _intra_if_hierarchical(self):
@@ -207,7 +206,7 @@ class DecentralizedSynchronousOp:
         """The bucket's weights ← the gossip result (with one worker, they are it)."""
         if self.local_only:
             return
-        if self.stacked:
+        if self.in_place:
             step, self._deferred = self._deferred, None
             if step is not None:
                 x = bucket.flat_view()

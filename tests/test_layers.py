@@ -30,13 +30,15 @@ ALLOWED = {
     "bagua_algos.launch": {"bagua_algos.launcher"},
     # the launcher puts the package `bagua` on the workers' path, found by compat's finder
     "bagua_algos.launcher": {"bagua_algos.runtime", "bagua_algos.compat"},
-    # the one-process engine: a backend of the runtime (the algorithms it runs are the caller's)
-    "bagua_algos.engine": {"bagua_algos.runtime", "bagua_algos.arguments"},
+    # the one-process engine: a backend of the runtime (the algorithms it runs are the caller's);
+    # it imports the algorithms whose step it replaces with an equal-valued form of its own
+    # (engine/forms.py), so that no algorithm asks which backend runs it; its gossip mix of
+    # stacked rows takes cuda_ext's compiled sweep where that module is loaded
+    "bagua_algos.engine": {"bagua_algos.runtime", "bagua_algos.arguments", "bagua_algos.algorithms", "cuda_ext"},
     # an algorithm named by its code, loaded with the compatibility package on the path
     "bagua_algos.algorithm_source": {"bagua_algos.runtime", "bagua_algos.compat"},
     "bagua_algos.algorithms": {"bagua_algos.runtime", "bagua_algos.compression", "bagua_algos.arguments"},
-    # the gossip mix of stacked rows takes cuda_ext's compiled sweep where that module is loaded
-    "bagua_algos.runtime": {"bagua_algos.compression", "bagua_algos.arguments", "topologies", "cuda_ext"},
+    "bagua_algos.runtime": {"bagua_algos.compression", "bagua_algos.arguments", "topologies"},
     "bagua_algos.compression": {"bagua_algos.arguments", "cuda_ext"},
     "bagua_algos.arguments": set(),
     # compat's finder (where the package `bagua` is, whether a real Bagua is installed,
@@ -125,9 +127,7 @@ def test_no_import_runs_upward():
 
 # Circles being taken apart now, each a set of modules a circle may lie within. Empty this
 # list as they land (test_the_allow_list_names_only_circles_that_exist says which is done).
-CIRCLES_BEING_FIXED = {
-    "runtime/comm's modules import each other": ("bagua_algos.runtime.comm.",),
-}
+CIRCLES_BEING_FIXED: dict = {}
 
 
 @functools.lru_cache(maxsize=1)

@@ -17,9 +17,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from bagua_algos.algorithms import RelayAlgorithm
-from bagua_algos.algorithms.relay import _StackedDelivery, _Tree, relay_average, relay_counts, relay_messages
+from bagua_algos.algorithms.relay import _Tree, relay_average, relay_counts, relay_messages
+from bagua_algos.engine.relay import _StackedDelivery
 from bagua_algos.runtime import comm
-from bagua_algos.runtime.comm.stacked import StackedGroup, stacked_world
+from bagua_algos.engine.transport import StackedGroup
 from bagua_algos.runtime.topology import check_topology_arg, resolve_topology
 from topologies import Topology
 
@@ -385,11 +386,12 @@ def test_the_engines_step_is_the_exchange_path_on_the_same_rows(topology, kwargs
     comm's stacked neighbour exchange, relay_average over the padded slots) on the same
     stacked rows: the same parameters bit for bit, the same bytes counted, the same
     state, past the counts' fixed point (and a chain's with chunks of one row)."""
-    from bagua_algos.algorithms import relay
+    from bagua_algos.algorithms.relay import ExchangeDelivery
     from bagua_algos.engine import Engine
+    from bagua_algos.engine import relay as engine_relay
 
     if chunk_bytes is not None:
-        monkeypatch.setattr(relay, "CHAIN_CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(engine_relay, "CHAIN_CHUNK_BYTES", chunk_bytes)
 
     n, steps = 9, 23  # a chain of 9: its counts fixed by step 10, its strips back in the middle at 10 and 19
     runs = []
@@ -399,15 +401,12 @@ def test_the_engines_step_is_the_exchange_path_on_the_same_rows(topology, kwargs
         engine = Engine(net, n, RelayAlgorithm(topology=topology, **kwargs),
                         lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
         impl = engine.runtime.bagua_algorithm
-        assert [type(d).__name__ for d in impl._delivery] == (
-            ["_ChainStrips"] if topology == "chain" else ["_StackedDelivery"] * len(impl._delivery))
+        assert [type(d).__name__ for d in impl.delivery.trees] == (
+            ["_ChainStrips"] if topology == "chain" else ["_StackedDelivery"] * len(impl.delivery.trees))
         if not accelerated:  # the exchange path, as in a job, on the stacked rows
-            impl._delivery = None
+            impl.delivery = ExchangeDelivery(impl)
             for bucket in engine.runtime.bagua_buckets:
-                for k, received in bucket.state["relay_received"].items():
-                    bucket.state["relay_received"][k] = torch.zeros(received.shape)
-                    impl._spare[(bucket.name, k)] = torch.zeros(received.shape)
-                    impl._messages[(bucket.name, k)] = torch.empty(received.shape)
+                impl.delivery.init_bucket(bucket)
         g = torch.Generator().manual_seed(3)
         sent = []
         for _ in range(steps):
@@ -416,7 +415,7 @@ def test_the_engines_step_is_the_exchange_path_on_the_same_rows(topology, kwargs
             engine.step(x, y, torch.nn.functional.cross_entropy)
             sent.append(comm.reset_bytes_sent())
         buckets = engine.runtime.bagua_buckets
-        assert impl._counts_fixed == (accelerated and not kwargs.get("drop_rate"))
+        assert getattr(impl.delivery, "counts_fixed", False) == (accelerated and not kwargs.get("drop_rate"))
         runs.append((torch.cat([b.flat_view().clone() for b in buckets], 1), sent, impl.state_dict(),
                      [{k: v.clone() for k, v in b.state["relay_received"].items()} for b in buckets]))
     (params, sent, state, received), (params_x, sent_x, state_x, received_x) = runs

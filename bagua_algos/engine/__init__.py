@@ -10,4 +10,7 @@ from .engine import Engine
 from .runtime import EngineRefusal, StackedRuntime, refusal
 from .stacked import Layout, StackedModel
 
+# the engine forms of the algorithms that have one, registered on import (forms.py)
+from . import relay as _relay_form  # noqa: F401
+
 __all__ = ["Engine", "EngineRefusal", "Layout", "StackedModel", "StackedRuntime", "refusal"]

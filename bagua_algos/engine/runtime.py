@@ -4,8 +4,8 @@ hooks and its bucket ops, run once per step for all n workers of the engine.
 What a process's ``with_bagua`` does for one rank, :class:`StackedRuntime` does for
 the n rows of :class:`~.stacked.StackedModel` at once:
 
-1. set-up: ``algorithm.reify(group)`` with the engine's :class:`~bagua_algos.runtime.
-   comm.StackedGroup`, then ``init_tensors``, ``tensors_to_buckets`` on Bagua's
+1. set-up: ``algorithm.reify(group)`` with the engine's :class:`~.transport.
+   StackedGroup`, then ``init_tensors``, ``tensors_to_buckets`` on Bagua's
    bucketing suggestion, ``init_operations`` for each bucket, as the runtime does
    (and again whenever ``need_reset()`` says so). A parameter the algorithm sees is
    the ``[n, *shape]`` view of its columns of the stacked parameters, its ``.grad``
@@ -16,11 +16,11 @@ the n rows of :class:`~.stacked.StackedModel` at once:
    once, on this thread), the post-backward hook, the optimizer's step, the
    post-optimizer-step hook.
 
-While a step runs, ``comm`` answers for the n workers (:func:`~bagua_algos.runtime.
-comm.stacked_world`): its collectives are reductions and row moves of the stacked
-tensors, so the ops written for a rank run here unchanged where they keep a worker's
-values in the tensors' last dimensions (docs/engine.md says what that asks of an
-algorithm).
+While a step runs, ``comm`` answers for the n workers (``comm.using_transport(group)``:
+the group is the engine's transport, :mod:`.transport`): its collectives are reductions
+and row moves of the stacked tensors, so the ops written for a rank run here unchanged
+where they keep a worker's values in the tensors' last dimensions (docs/engine.md says
+what that asks of an algorithm).
 
 The layout: the stacked parameters are laid out as the algorithm buckets them (the
 tensors of a bucket in consecutive columns, then its padding), which the runtime
@@ -40,7 +40,9 @@ import torch
 from ..runtime import comm
 from ..runtime.backend import BaguaBackend, register_backend, unregister_backend
 from ..runtime.bucket import split_into_buckets
+from .forms import adopt
 from .stacked import Layout, StackedModel
+from .transport import StackedGroup
 
 __all__ = ["StackedRuntime", "EngineRefusal", "refusal"]
 
@@ -117,7 +119,7 @@ class StackedRuntime:
             raise EngineRefusal(f"the one-process engine does not run {type(algorithm).__name__}: {reason}; "
                                 "run it as processes (--engine processes)")
         self.flat_optimizer = flat_optimizer
-        self.group = comm.StackedGroup(n, device)
+        self.group = StackedGroup(n, device)
         self.n = n
         self.device = torch.device(device)
         self.bucket_size = bucket_size
@@ -132,8 +134,8 @@ class StackedRuntime:
         self.bagua_train_step_counter = 0
         self.bagua_buckets: list = []
         self.module = module
-        with comm.stacked_world(self.group):
-            self.bagua_algorithm = algorithm.reify(self.group)
+        with comm.using_transport(self.group):
+            self.bagua_algorithm = adopt(algorithm.reify(self.group))  # the engine's form, if any
             if flat_optimizer and getattr(self.bagua_algorithm, "finds_parameters_in_the_optimizer", False):
                 raise EngineRefusal(f"flat_optimizer=True: the optimizer then holds the stacked [n, d] parameter "
                                     f"matrix, not the model's parameters, and {type(algorithm).__name__} looks its "
@@ -166,7 +168,7 @@ class StackedRuntime:
             optimizer = optimizer_factory([self.model.params])
         elif for_parameters is not None:  # an algorithm that owns its optimizer (QAdam): its own, on the views
             algorithm, optimizer = for_parameters(self.module, params, optimizer_factory)
-            self.bagua_algorithm = algorithm.reify(self.group)  # (in __init__'s stacked world)
+            self.bagua_algorithm = adopt(algorithm.reify(self.group))  # (in __init__'s stacked world)
         else:
             optimizer = optimizer_factory(params)
             _check_not_fused_on_strided_views(optimizer)
@@ -276,7 +278,7 @@ class StackedRuntime:
 
     def step(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor:
         """One training step of every worker (``x[i]``, ``y[i]`` worker i's batch)."""
-        with comm.stacked_world(self.group):
+        with comm.using_transport(self.group):
             self.bagua_train_step_counter += 1
             if self.bagua_algorithm.need_reset():
                 self._set_up(reset=True)
@@ -291,7 +293,7 @@ class StackedRuntime:
     def run_bucket_ops(self) -> None:
         """Run every bucket's ops once more on what the buckets hold now (for
         benchmarks: the algorithm's communication step alone)."""
-        with comm.stacked_world(self.group):
+        with comm.using_transport(self.group):
             for bucket in self.bagua_buckets:
                 bucket.before_ops()
                 bucket.run_ops()

@@ -45,6 +45,8 @@ COMMANDS = {
                        "workers SIGKILLed under --max_restarts, resumed from a checkpoint (needs a checkout)"),
     "exogym-compare": ("bagua_algos.experiments.exogym_compare",
                        "EXO Gym against the one-process engine: step time, memory, accuracy (needs exogym)"),
+    "relay-engine-compare": ("bagua_algos.experiments.relay_engine_compare",
+                             "relay's step on the engine, this checkout against other trees (git worktrees), one run"),
     "soak": ("bagua_algos.experiments.soak",
              "a fault-tolerance soak: replicas killed and hung under --torchft, committed steps and stalls"),
     "decentdp-compare": ("bagua_algos.experiments.decentdp_compare",

@@ -50,7 +50,7 @@ def scatter_gather(
 
     Written once for a leading worker dimension W: ``flat`` is ``[W, m]``, a row per
     worker (W = 1 in a job; on the one-process engine the n rows, the collectives then
-    the stacked communicator's row moves), or a lone worker's 1-D ``[m]``; every stage
+    the engine's transport's row moves), or a lone worker's 1-D ``[m]``; every stage
     is one batched codec call over the W·n chunks. ``generator``: the stochastic
     rounding's generators, a sequence of one per row (a lone torch.Generator for W = 1;
     worker i draws from its own what its process draws, in its order: its n chunks,

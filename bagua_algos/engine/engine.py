@@ -31,7 +31,7 @@ class Engine:
 
     The algorithm runs as it runs in a job: its own ``AlgorithmImpl``, hooks and bucket
     ops, once per step for all n workers on stacked buckets, its collectives those of
-    the stacked communicator (:class:`~.runtime.StackedRuntime`). Nothing is registered
+    the engine's transport (:class:`~.runtime.StackedRuntime`, :mod:`.transport`). Nothing is registered
     for an algorithm: one outside the package, or written for Bagua, runs as the
     package's own do.
 

@@ -27,7 +27,7 @@ def compressed_scatter_gather(
     stages, bounds and stacked form are
     :func:`bagua_algos.compression.scatter_gather.scatter_gather`'s, run here over
     ``group``'s all-to-all and all-gather (on the one-process engine, a stacked group,
-    the stacked communicator's row moves). ``flat``: ``[W, L]``, a row per worker (or
+    the engine's transport's row moves). ``flat``: ``[W, L]``, a row per worker (or
     a lone worker's ``[L]``). ``generator``: the stochastic rounding's generators, one
     per row (a lone torch.Generator for one row).
     """

@@ -69,3 +69,22 @@ def test_relay_py_has_no_branch_on_the_backend():
     imported = {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert not [name for name in names if "stacked" in name.lower()]
     assert not [module for module in imported if "engine" in module]
+
+
+def test_the_comparison_times_each_tree_in_its_own_process_and_checks_they_agree():
+    """benchmarks/relay_engine_compare.py against this checkout itself, at its smallest:
+    one line per tree and repetition, and a summary whose two checksums (the parameters
+    after the run) are equal and whose ratio is the two medians' (no timing asserted)."""
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "relay_engine_compare.py"), "--tree",
+                          f"self={REPO}", "--repetitions", "1", "--workers", "4", "--warmup", "1", "--blocks", "1",
+                          "--steps", "2", "--topologies", "chain"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert [line["tree"] for line in lines if "repetition" in line] == ["now", "self"]
+    summary = next(line for line in lines if line.get("topology") == "chain")
+    assert summary["now_checksum"] == summary["self_checksum"]
+    assert summary["now/self"] == pytest.approx(summary["now_ms"] / summary["self_ms"], rel=0.02)

@@ -212,20 +212,6 @@ def _summary(trees: list, runs: dict, topologies) -> list[dict]:
     return out
 
 
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < low:
-            raise argparse.ArgumentTypeError(f"{text!r}: must be an integer >= {low}")
-        return value
-    return parse
-
-
-_positive, _non_negative = _int_at_least(1), _int_at_least(0)
-
 
 def _topologies(text: str) -> list[str]:
     names = [t for t in text.split(",") if t]
@@ -236,6 +222,10 @@ def _topologies(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # (imported here: the module's top level also runs under another tree's path, in the workers)
+    from bagua_algos.experiments.sweep.cli import int_at_least
+
+    _positive, _non_negative = int_at_least(1, "a positive integer"), int_at_least(0, "an integer >= 0")
     p = argparse.ArgumentParser(prog="relay_engine_compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--tree", action="append", type=_tree, required=True,
                    help="LABEL=PATH: another checkout to time against this one (repeatable)")

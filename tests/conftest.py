@@ -14,6 +14,8 @@
   writes, reaches the next test in the same pytest process.
 * Order: the longest files first (:data:`LONGEST_FIRST`), so that under
   ``-n auto --dist loadfile`` no worker is left with one of them at the end.
+* Threads: under pytest-xdist each pytest worker runs torch on its share of the cores
+  (cores // workers, at least one; :func:`_torch_threads_for_this_worker`).
 """
 
 from __future__ import annotations
@@ -83,21 +85,47 @@ def child_env() -> dict:
     return subprocesses.child_env()
 
 
-# The files whose tests take longest, longest first (wall seconds under `-n 2` on a
-# 2-core machine, 2026-11-25; test_cuda_ext first because on a fresh clone it builds
-# cuda_ext's CPU module, which other files then load). Under `--dist loadfile` each file
-# goes whole to one pytest worker, and a worker takes the next file when it is nearly
-# done: started first, these files do not leave one worker running alone at the end.
-# xdist's own order (files with more tests first) put several of them last.
+# The files whose tests take longest, longest first (the sum of their tests' durations
+# under `-n 2` on a 2-core machine, 2026-11-29: from about 130 s for test_torchft down to
+# about 25 s; the files after them take 20 s or less each), test_cuda_ext ahead of them
+# because on a fresh clone it builds cuda_ext's CPU module, which other files then load.
+# Under `--dist loadfile` each file goes whole to one pytest worker, and a worker takes
+# the next file when it is nearly done: started first, these files do not leave one worker
+# running alone at the end (longest first: what is left to hand out at the end is short).
+# xdist's own order (files with more tests first), or the alphabetical one, put several of
+# them last.
 LONGEST_FIRST = (
-    "test_cuda_ext.py", "test_engine_equality.py", "test_benchmarks.py", "test_elastic_restarts.py",
-    "test_sweep.py", "test_netem.py", "test_comm.py", "test_elastic_launch.py", "test_exit.py",
+    "test_cuda_ext.py", "test_torchft.py", "test_elastic_restarts.py", "test_engine_equality.py",
+    "test_elastic_launch.py", "test_comm.py", "test_sweep.py", "test_benchmarks.py", "test_netem.py",
+    "test_soak.py", "test_trust_network.py", "test_launch.py", "test_reproduce.py", "test_torchft_open_points.py",
+    "test_sweep_executors.py", "test_exit.py", "test_exogym_comparison.py", "test_launch_failures.py",
+    "test_docs.py", "test_lightning.py", "test_bagua_api.py",
 )
+
+
+def _torch_threads_for_this_worker() -> None:
+    """Under pytest-xdist (``-n auto``: one pytest process per core), torch's intra-op pool
+    in each of those processes is cores // workers threads (at least one), not torch's
+    default of one thread per core. With the default, n workers run n × n threads on n
+    cores, and each parallel op of a test waits at its barrier for a thread that the other
+    workers' processes, or the test's own children, have pushed off its core: measured on
+    2 cores, the engine's small stacked steps ran 5 to 10 times slower so (the in-process
+    half of test_engine_equality: 76 s of the suite's time, 10 s with one thread). A test
+    that needs another count sets it and puts it back (test_engine_cpu_passes does). The
+    children a test starts keep their own settings (one thread from
+    :func:`subprocesses.child_env` or in ``run_workers``' workers)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers:
+        return
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(workers))))
 
 
 def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order below
         config.option.loadscopereorder = False
+    _torch_threads_for_this_worker()
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -109,3 +109,69 @@ def finish(proc: subprocess.Popen, timeout: float = TIMEOUT):
 
 def run_python(args, env=None, timeout: float = TIMEOUT):
     return finish(start_python(args, env), timeout)
+
+
+# The program run by run_commands_in_one_python: it reads a JSON list of command lines
+# (each ``[script, args...]`` or ``["-m", module, args...]``) from stdin, runs each as
+# ``python COMMAND`` would run it as __main__ (sys.argv, sys.path[0], stdout and stderr its
+# own), and prints one JSON list of [exit code, stdout, stderr] after MARKER.
+_ONE_PYTHON = r'''
+import contextlib, io, json, os, runpy, sys, traceback
+MARKER = sys.argv[1]
+commands = json.load(sys.stdin)
+path0 = sys.path[0]
+answers = []
+for command in commands:
+    out, err = io.StringIO(), io.StringIO()
+    module = command[0] == "-m"
+    target = command[1] if module else command[0]
+    sys.argv = [target, *command[2 if module else 1:]]
+    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(target))
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            if module:
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(target, run_name="__main__")
+        except SystemExit as exc:  # what the interpreter makes of it at exit
+            if exc.code is None:
+                code = 0
+            elif isinstance(exc.code, int):
+                code = exc.code
+            else:
+                print(exc.code, file=sys.stderr)
+                code = 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    sys.path[0] = path0
+    answers.append([code, out.getvalue(), err.getvalue()])
+sys.stdout.write(MARKER + json.dumps(answers))
+'''
+
+
+def run_commands_in_one_python(commands, env=None, timeout: float = TIMEOUT) -> list[tuple[int, str, str]]:
+    """``[run_python(command) for command in commands]``'s (exit code, stdout, stderr),
+    the commands run one after another in one child Python instead of one each: for
+    commands that end early (a usage error), whose cost is mostly the interpreter's start
+    and its imports (torch: seconds), which they then pay once. Each command runs as
+    ``python COMMAND`` runs it as __main__ (its sys.argv and sys.path[0], SystemExit's
+    code, an uncaught exception's traceback on its stderr and exit code 1); the modules it
+    imported stay loaded for the next, so use it only for commands that change no state
+    another one reads. Past ``timeout`` (for all of them) the child's session is killed
+    and the test fails, as :func:`run_python`."""
+    import json
+
+    marker = "\n=== run_commands_in_one_python answers ===\n"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ONE_PYTHON, marker], cwd=REPO, env=env or child_env(),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(json.dumps([[str(a) for a in command] for command in commands]), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{commands} timed out after {timeout}s in one python\nstdout:\n{out}\nstderr:\n{err}")
+    assert proc.returncode == 0 and marker in out, f"the commands' python failed ({proc.returncode}):\n{out}\n{err}"
+    return [tuple(answer) for answer in json.loads(out.split(marker, 1)[1])]

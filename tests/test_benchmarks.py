@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from subprocesses import REPO, TIMEOUT, free_port, run_python
+from subprocesses import REPO, TIMEOUT, free_port, run_commands_in_one_python, run_python
 
 SCRIPT = REPO / "benchmarks" / "synthetic_benchmark.py"
 
@@ -224,7 +224,7 @@ def test_bagua_interface_prints_bagua_lines_and_bytes():
     assert sent > 0
 
 
-@pytest.mark.parametrize("argv, match", [
+BAD_FLAGS = [
     (["--algorithm", "no_such_algo"], "unknown algorithm 'no_such_algo'"),
     (["--algorithm", "gradient_allreduce", "--rank", "2"], "--rank: algorithm 'gradient_allreduce' takes no 'rank'"),
     (["--algorithm", "gradient_allreduce", "--model", "no_such_net"], "--model: 'no_such_net' is neither"),
@@ -233,9 +233,22 @@ def test_bagua_interface_prints_bagua_lines_and_bytes():
      "argument --topology: unknown topology 'rign'; valid names: ['chain', 'binary_tree', 'double_binary_tree']"),
     (["--algorithm", "powersgd", "--rank", "0"], "argument --rank: rank must be an int >= 1, got 0"),
     (["--algorithm", "terngrad", "--bits", "3"], "argument --bits: bits must be one of [1, 2, 4, 8], got 3"),
-])
-def test_bagua_interface_bad_flags(argv, match):
-    code, out, err = run([SCRIPT, *argv], timeout=60)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_flag_runs():
+    """Every BAD_FLAGS command line's (exit code, stdout, stderr), all run in one child
+    Python (subprocesses.run_commands_in_one_python): each ends at its usage error, so a
+    child of its own would cost an interpreter and torch's import apiece. All of them
+    within the 60 s that bounded each one alone."""
+    runs = run_commands_in_one_python([[SCRIPT, *argv] for argv, _ in BAD_FLAGS], timeout=60)
+    return {tuple(argv): run for (argv, _), run in zip(BAD_FLAGS, runs)}
+
+
+@pytest.mark.parametrize("argv, match", BAD_FLAGS)
+def test_bagua_interface_bad_flags(bad_flag_runs, argv, match):
+    code, out, err = bad_flag_runs[tuple(argv)]
     assert code == 2 and match in err, err
     assert "Traceback" not in err
 

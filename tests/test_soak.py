@@ -38,9 +38,12 @@ def _workers_under(path: Path) -> list[int]:
 
 def test_a_short_soak_with_one_kill_loses_nothing_and_the_survivors_agree(tmp_path):
     out_dir = tmp_path / "soak"
-    # 30 s of faults, the first at 15-25 s, the next one past the end: exactly one kill
-    cmd = [sys.executable, "-m", "bagua_algos.experiments.cli", "soak", "--minutes", "0.5", "--replicas", "3",
-           "--algorithms", "gradient_allreduce", "--kill-every", "15:25", "--baseline-fraction", "0",
+    # 15 s of faults, the first at 8-14 s, the next at least 8 s later, past the end: exactly
+    # one kill, with committed steps before it. The window's length is not what is checked
+    # (no step lost, the killed replica back, the replicas agree): what comes after the
+    # window (the rejoin, the common stop) is waited for by the soak itself, within bounds
+    cmd = [sys.executable, "-m", "bagua_algos.experiments.cli", "soak", "--minutes", "0.25", "--replicas", "3",
+           "--algorithms", "gradient_allreduce", "--kill-every", "8:14", "--baseline-fraction", "0",
            "--out-dir", str(out_dir)]
     proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

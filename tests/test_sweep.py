@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from subprocesses import REPO, run_python
+from subprocesses import REPO, run_commands_in_one_python, run_python
 
 SCRIPT = REPO / "benchmarks" / "heterogeneity_sweep.py"
 
@@ -44,27 +44,37 @@ def test_miniature_sweep_writes_table_json_and_plots(tmp_path):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize(
-    "args,message",
-    [
-        (["--configs", "allreduce_average;warp_drive"], "unknown algorithm 'warp_drive'"),
-        (["--configs", "ddp"], "'ddp' trains gradients"),
-        (["--dataset", "cifar10"], "--data-dir"),
-        (["--alphas", "0.1,-1"], "positive"),
-        (["--workers", "0"], "positive integer"),
-        (["--dataset", "cifar10", "--data-dir", "/nonexistent/cifar"], "--data-dir /nonexistent/cifar is not a directory"),
-        (["--model", "vgg11"], "argument --model: --model vgg11 takes 3x32x32 colour images"),
-        (["--engine", "sim", "--configs", "async"], "argument --engine: sim cannot run config 'async'"),
-        (["--engine", "sim", "--configs", "allreduce_average", "--workers", "100000"], "argument --workers: 100000 workers of mlp with --engine sim need about"),
-        (["--engine", "processes", "--workers", "100000"], "use fewer workers or --engine sim"),
-        (["--engine", "processes", "--jobs", "2"], "argument --jobs: 2 runs at a time is for --engine sim"),
-    ],
-)
-def test_bad_arguments_fail_fast_with_a_clear_message(args, message):
-    result = run_sweep(*args, timeout=60)
-    assert result.returncode == 2
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr and result.stderr.count("error:") == 1
+BAD_ARGUMENTS = [
+    (["--configs", "allreduce_average;warp_drive"], "unknown algorithm 'warp_drive'"),
+    (["--configs", "ddp"], "'ddp' trains gradients"),
+    (["--dataset", "cifar10"], "--data-dir"),
+    (["--alphas", "0.1,-1"], "positive"),
+    (["--workers", "0"], "positive integer"),
+    (["--dataset", "cifar10", "--data-dir", "/nonexistent/cifar"], "--data-dir /nonexistent/cifar is not a directory"),
+    (["--model", "vgg11"], "argument --model: --model vgg11 takes 3x32x32 colour images"),
+    (["--engine", "sim", "--configs", "async"], "argument --engine: sim cannot run config 'async'"),
+    (["--engine", "sim", "--configs", "allreduce_average", "--workers", "100000"], "argument --workers: 100000 workers of mlp with --engine sim need about"),
+    (["--engine", "processes", "--workers", "100000"], "use fewer workers or --engine sim"),
+    (["--engine", "processes", "--jobs", "2"], "argument --jobs: 2 runs at a time is for --engine sim"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_argument_runs():
+    """Every BAD_ARGUMENTS command line's (exit code, stdout, stderr), all run in one
+    child Python (subprocesses.run_commands_in_one_python): each ends at its usage
+    error, so a child of its own would cost an interpreter and torch's import apiece.
+    All of them within the 60 s that bounded each one alone: failing fast still."""
+    runs = run_commands_in_one_python([[SCRIPT, *args] for args, _ in BAD_ARGUMENTS], timeout=60)
+    return {tuple(args): run for (args, _), run in zip(BAD_ARGUMENTS, runs)}
+
+
+@pytest.mark.parametrize("args,message", BAD_ARGUMENTS)
+def test_bad_arguments_fail_fast_with_a_clear_message(bad_argument_runs, args, message):
+    code, _, stderr = bad_argument_runs[tuple(args)]
+    assert code == 2
+    assert message in stderr
+    assert "Traceback" not in stderr and stderr.count("error:") == 1
 
 
 def test_both_engines_give_the_same_table(tmp_path):

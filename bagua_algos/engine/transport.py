@@ -328,18 +328,17 @@ class StackedGroup(Transport):
         neighbour's term read from its row of x (:class:`~.gossip.StackedMix`); it
         counts the bytes the exchange would."""
         neighbors = list(neighbors)
-        peers = [peer for peer, _ in neighbors]
-        count_sent(self.neighbor_exchange_bytes([(peer, x) for peer in peers]))
         key = tuple(t.data_ptr() for pair in neighbors for t in pair)
         kept = self._mixes.get(key)
         if kept is None:  # (the arguments are kept with their mix, so their memory is not reused)
             if len(self._mixes) >= 64:  # the gossips were made anew (a reset): forget the old ones
                 self._mixes.clear()
-            table = (torch.stack([p.to(torch.long) for p in peers], 1) if peers
-                     else torch.empty(self.n, 0, dtype=torch.long))
+            peers = [self._peer_rows(f"neighbors[{k}] peer", peer) for k, (peer, _) in enumerate(neighbors)]
+            table = torch.tensor(peers, dtype=torch.long).reshape(len(peers), self.n).T.contiguous()
             weight = torch.cat([w.reshape(self.n, 1) for _, w in neighbors], 1) if neighbors else \
                 x.new_zeros(self.n, 0)
-            kept = self._mixes[key] = (neighbors, StackedMix(table), weight)
+            kept = self._mixes[key] = (neighbors, StackedMix(table), weight, peers)
+        count_sent(self._sent_bytes(kept[3], [x] * len(kept[3])))  # what the exchange would count
         if out is not x:
             out.copy_(x)
         kept[1].mix_(out, self_weight, kept[2])
